@@ -1,0 +1,214 @@
+"""Config: the defaults every file starts from, loading, overrides, and one validate().
+
+A config file is Python exposing ``get_config()`` that returns ``defaults()`` edited.
+Overrides follow the absl ``config_flags`` convention: ``--config.train.steps=50``.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import ml_collections
+
+from jaxscale.errors import ConfigError
+from jaxscale.mesh import AXES, BATCH_AXES, resolve_shape
+
+FAMILIES = ("llama", "gpt2")
+REMAT_POLICIES = ("none", "full", "dots_saveable")
+DTYPES = ("auto", "float32", "bfloat16")
+SOURCES = ("auto", "embedded", "synthetic", "file")
+
+
+def defaults() -> ml_collections.ConfigDict:
+    """Every key jaxscale knows, with its default. Files and overrides may only edit these."""
+    c = ml_collections.ConfigDict()
+    c.model = dict(
+        family="llama",        # llama: RMSNorm, RoPE, GQA, SwiGLU | gpt2: LayerNorm, learned positions, GELU
+        num_layers=4, d_model=256, num_heads=4, num_kv_heads=4, d_ff=1024,
+        vocab_size=256,        # >= the tokenizer's vocabulary
+        max_seq_len=1024,      # gpt2: learned position table size
+        tie_embeddings=True,   # share the input embedding with the output head
+        rope_theta=10000.0, norm_eps=1e-5, init_std=0.02,
+        dtype="auto",          # compute dtype; auto = bfloat16 on GPU/TPU, float32 on CPU. Parameters stay float32.
+        remat="none",          # none | full | dots_saveable: what the backward pass recomputes per layer
+    )
+    c.mesh = {axis: 1 for axis in AXES}
+    c.mesh.data = -1           # -1: the devices the other axes leave
+    c.mesh_dcn = {axis: 1 for axis in AXES}  # multipliers across hosts/slices (issue: hybrid meshes)
+    c.zero_stage = 0
+    c.train = dict(
+        steps=1000, global_batch_size=32, seq_len=128,
+        grad_accum_steps=1,    # microbatches per step, accumulated inside the jitted step
+        seed=0, log_every=10,
+        eval_every=100,        # 0 = never
+        eval_batches=4,        # validation batches per evaluation
+    )
+    c.optim = dict(lr=3e-4, warmup_steps=100, min_lr_ratio=0.1, weight_decay=0.1,
+                   clip_norm=1.0, b1=0.9, b2=0.95, eps=1e-8)
+    c.data = dict(
+        source="auto",         # auto = file if data.path else embedded | embedded | synthetic | file
+        path="",               # .txt, .jsonl, .parquet (text), .bin/.npy (pre-tokenized)
+        tokenizer="bytes",     # bytes | path/to/tokenizer.json | tiktoken:NAME
+        text_field="text", token_dtype="uint16", val_fraction=0.05, num_threads=2,
+    )
+    c.metrics = dict(
+        tensorboard=True, progress=True,
+        peak_tflops=0.0,       # per-device dense peak for MFU; 0 = look the device up in the table
+    )
+    return c
+
+
+def load(path: str) -> ml_collections.ConfigDict:
+    """Run a config file's get_config(); errors name --config."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError("--config", path, "pass a config file such as configs/tiny.py")
+    spec = importlib.util.spec_from_file_location(f"jaxscale_config_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError("--config", path, "the file must define get_config() returning a ConfigDict")
+    return module.get_config()
+
+
+def _parse_value(text: str):
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text  # a bare word is a string, as with absl flags
+
+
+def _suggest(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f"did you mean '{close[0]}'?" if close else f"known keys: {', '.join(sorted(choices))}"
+
+
+def _coerce(field: str, old, new):
+    """`new` converted to `old`'s type, or a ConfigError."""
+    if isinstance(old, bool):
+        if isinstance(new, bool):
+            return new
+    elif isinstance(old, int):
+        if isinstance(new, int) and not isinstance(new, bool):
+            return new
+    elif isinstance(old, float):
+        if isinstance(new, (int, float)) and not isinstance(new, bool):
+            return float(new)
+    elif isinstance(old, str):
+        return str(new)
+    else:
+        return new
+    raise ConfigError(field, new, f"expected {type(old).__name__} (like {old!r})")
+
+
+def set_value(config, dotted: str, value) -> None:
+    """Set config.<dotted> = value with the default's type; unknown keys are errors."""
+    *parents, leaf = dotted.split(".")
+    node = config
+    for depth, name in enumerate(parents):
+        if name not in node or not isinstance(node[name], ml_collections.ConfigDict):
+            raise ConfigError(dotted, value, f"unknown section '{name}'; {_suggest(name, node.keys())}")
+        node = node[name]
+    if leaf not in node:
+        raise ConfigError(dotted, value, f"unknown key; {_suggest(leaf, node.keys())}")
+    node[leaf] = _coerce(dotted, node[leaf], value)
+
+
+def apply_overrides(config, overrides: list[str]) -> None:
+    """Apply 'a.b=value' strings (the part after --config.)."""
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--config.{key}", "", "overrides take the form --config.section.key=value")
+        set_value(config, key, _parse_value(text))
+
+
+def _check_keys(config, reference, prefix="") -> None:
+    for key in config.keys():
+        field = prefix + key
+        if key not in reference:
+            raise ConfigError(field, config[key], f"unknown key; {_suggest(key, reference.keys())}")
+        if isinstance(reference[key], ml_collections.ConfigDict):
+            _check_keys(config[key], reference[key], field + ".")
+        else:
+            _coerce(field, reference[key], config[key])
+
+
+def _require(ok: bool, field: str, value, fix: str) -> None:
+    if not ok:
+        raise ConfigError(field, value, fix)
+
+
+def _check_choices(c) -> None:
+    for field, value, choices in (("model.family", c.model.family, FAMILIES),
+                                  ("model.remat", c.model.remat, REMAT_POLICIES),
+                                  ("model.dtype", c.model.dtype, DTYPES),
+                                  ("data.source", c.data.source, SOURCES)):
+        _require(value in choices, field, value, f"choose one of {', '.join(choices)}")
+
+
+def _check_positive(c) -> None:
+    for field in ("model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads",
+                  "model.d_ff", "model.vocab_size", "model.max_seq_len", "train.steps",
+                  "train.global_batch_size", "train.seq_len", "train.grad_accum_steps",
+                  "train.log_every", "train.eval_batches", "optim.lr", "data.num_threads"):
+        section, key = field.split(".")
+        _require(c[section][key] > 0, field, c[section][key], "must be > 0")
+    for field in ("train.eval_every", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
+                  "optim.min_lr_ratio", "metrics.peak_tflops", "train.seed"):
+        section, key = field.split(".")
+        _require(c[section][key] >= 0, field, c[section][key], "must be >= 0")
+
+
+def _check_model(m, seq_len: int) -> None:
+    _require(m.d_model % m.num_heads == 0, "model.num_heads", m.num_heads,
+             f"must divide model.d_model={m.d_model}")
+    _require(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads", m.num_kv_heads,
+             f"must divide model.num_heads={m.num_heads} (grouped-query attention)")
+    _require(m.family != "llama" or (m.d_model // m.num_heads) % 2 == 0, "model.num_heads", m.num_heads,
+             f"RoPE needs an even head dimension; d_model/num_heads = {m.d_model // max(m.num_heads, 1)}")
+    _require(m.family != "gpt2" or seq_len <= m.max_seq_len, "train.seq_len", seq_len,
+             f"gpt2 learns positions up to model.max_seq_len={m.max_seq_len}; raise it or shorten seq_len")
+
+
+def _check_parallelism(c, device_count: int) -> None:
+    sizes = resolve_shape(c.mesh, device_count)
+    for axis in AXES:
+        _require(axis == "data" or sizes[axis] == 1, f"mesh.{axis}", sizes[axis],
+                 "is not supported yet (only the data axis is); set it to 1")
+        _require(c.mesh_dcn[axis] == 1, f"mesh_dcn.{axis}", c.mesh_dcn[axis],
+                 "multi-slice (DCN) meshes are not supported yet; set it to 1")
+    _require(0 <= c.zero_stage <= 3, "zero_stage", c.zero_stage, "choose 0, 1, 2 or 3")
+    _require(c.zero_stage == 0, "zero_stage", c.zero_stage, "is not supported yet (only 0, plain data parallelism, is)")
+    shards = math.prod(sizes[axis] for axis in BATCH_AXES)
+    t = c.train
+    _require(t.global_batch_size % t.grad_accum_steps == 0, "train.grad_accum_steps", t.grad_accum_steps,
+             f"must divide train.global_batch_size={t.global_batch_size}")
+    micro = t.global_batch_size // t.grad_accum_steps
+    _require(micro % shards == 0, "train.global_batch_size", t.global_batch_size,
+             f"each microbatch ({micro} = {t.global_batch_size}/{t.grad_accum_steps} accumulation steps) must divide "
+             f"evenly over {shards} batch shards (mesh data x fsdp); use a multiple of {shards * t.grad_accum_steps}")
+
+
+def validate(config, device_count: int) -> None:
+    """Check everything before anything compiles; raise ConfigError naming field, value, fix."""
+    _check_keys(config, defaults())
+    _check_choices(config)
+    _check_positive(config)
+    _check_model(config.model, config.train.seq_len)
+    _check_parallelism(config, device_count)
+    _require(0.0 < config.data.val_fraction < 1.0, "data.val_fraction", config.data.val_fraction,
+             "must be between 0 and 1 (exclusive)")
+    _require(config.data.source in ("auto", "file") or not config.data.path, "data.source", config.data.source,
+             "data.path is set: use data.source=file (or auto), or clear data.path")
+    _require(config.data.source != "file" or bool(config.data.path), "data.path", config.data.path,
+             "data.source=file needs --config.data.path=FILE")
+
+
+def to_json(config) -> str:
+    return json.dumps(config.to_dict(), indent=2, sort_keys=True)

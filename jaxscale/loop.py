@@ -1,0 +1,152 @@
+"""The training loop: build everything from a validated config, then step, log and evaluate."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxscale import config as config_lib
+from jaxscale import metrics as metrics_lib
+from jaxscale import state as state_lib
+from jaxscale.data import Data, make_data
+from jaxscale.mesh import make_mesh
+from jaxscale.models import LanguageModel, ModelSpec
+from jaxscale.optim import make_optimizer
+from jaxscale.progress import ProgressDisplay
+from jaxscale.sharding import batch_sharding
+from jaxscale.step import compute_dtype, jit_eval_step, jit_train_step
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything built from the config before the first step."""
+
+    config: object
+    mesh: Mesh
+    model: LanguageModel
+    data: Data
+    state: state_lib.TrainState
+    shardings: state_lib.TrainState
+    batch_sharding: NamedSharding
+    train_step: object   # jitted (state, batch) -> (state, metrics)
+    eval_step: object    # jitted (params, batch) -> loss
+    flops_per_token: float
+    peak_tflops: float | None
+
+
+def _peak(config) -> float | None:
+    return config.metrics.peak_tflops or metrics_lib.peak_tflops(jax.devices()[0].device_kind)
+
+
+def setup(config) -> Run:
+    """Validate, then build mesh, model, data, sharded state and the jitted steps."""
+    config_lib.validate(config, jax.device_count())
+    mesh = make_mesh(config.mesh)
+    model = LanguageModel(ModelSpec.from_config(config.model))
+    tx, schedule = make_optimizer(config.optim, config.train.steps)
+    batch_shd = batch_sharding(mesh)
+    data = make_data(config, batch_shd)
+    state, shardings = state_lib.init(model, tx, config.train.seed, mesh)
+    dtype = compute_dtype(config.model.dtype)
+    n = metrics_lib.non_embedding_params(state.params)
+    return Run(config=config, mesh=mesh, model=model, data=data, state=state, shardings=shardings,
+               batch_sharding=batch_shd,
+               train_step=jit_train_step(model, tx, schedule, dtype, config.train.grad_accum_steps,
+                                         shardings, batch_shd),
+               eval_step=jit_eval_step(model, dtype, shardings.params, batch_shd),
+               flops_per_token=metrics_lib.flops_per_token(model.spec, n, config.train.seq_len),
+               peak_tflops=_peak(config))
+
+
+def evaluate(run: Run, batches) -> float:
+    """Mean loss over the given validation batches."""
+    return float(np.mean([jax.device_get(run.eval_step(run.state.params, b)) for b in batches]))
+
+
+def _is_log_step(step: int, train_cfg) -> bool:
+    return step == 1 or step == train_cfg.steps or step % train_cfg.log_every == 0 or _is_eval_step(step, train_cfg)
+
+
+def _is_eval_step(step: int, train_cfg) -> bool:
+    every = train_cfg.eval_every
+    return bool(every) and (step % every == 0 or step == train_cfg.steps)
+
+
+def _compile(run: Run):
+    """Compile the step ahead of time, so step times never include compilation."""
+    t = run.config.train
+    batch = jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len), np.int32, sharding=run.batch_sharding)
+    start = time.perf_counter()
+    compiled = run.train_step.lower(run.state, {"inputs": batch, "targets": batch}).compile()
+    return compiled, time.perf_counter() - start
+
+
+class _Timer:
+    """Wall time and tokens between log steps; each log step blocks on its metrics."""
+
+    def __init__(self, step: int):
+        self.step, self.time = step, time.perf_counter()
+
+    def lap(self, step: int) -> float:
+        now = time.perf_counter()
+        per_step = (now - self.time) / max(step - self.step, 1)
+        self.step, self.time = step, now
+        return per_step
+
+    def restart(self) -> None:
+        self.time = time.perf_counter()
+
+
+def _record(run: Run, step: int, metrics: dict, step_time: float) -> dict:
+    tokens_per_sec = float(metrics["tokens"]) / step_time
+    return {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
+            "lr": float(metrics["lr"]), "tokens": step * int(metrics["tokens"]),
+            "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
+            "mfu": metrics_lib.mfu(tokens_per_sec, run.flops_per_token, jax.device_count(), run.peak_tflops)}
+
+
+def run_steps(run: Run, display: ProgressDisplay, writer: metrics_lib.MetricsWriter) -> list[dict]:
+    """Train from run.state.step to train.steps; returns the logged records."""
+    t = run.config.train
+    compiled, compile_s = _compile(run)
+    display.print(f"compiled the train step in {compile_s:.1f}s")
+    val = run.data.val_batches(t.eval_batches) if t.eval_every else []
+    start = int(jax.device_get(run.state.step))
+    timer, records = _Timer(start), []
+    for step, batch in zip(range(start + 1, t.steps + 1), run.data.train_batches(start)):
+        run.state, metrics = compiled(run.state, batch)
+        if not _is_log_step(step, t):
+            continue
+        record = _record(run, step, jax.device_get(metrics), timer.lap(step))
+        if _is_eval_step(step, t):
+            record["val_loss"] = evaluate(run, val)
+            timer.restart()  # evaluation time is not step time
+        writer.write(record)
+        display.update(record)
+        records.append(record)
+    return records
+
+
+def train(config, workdir: str | Path, show_progress: bool = True) -> list[dict]:
+    """Train as the config says, writing config.json, metrics.jsonl and TensorBoard events."""
+    workdir = Path(workdir)
+    run = setup(config)
+    main = jax.process_index() == 0
+    if main:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "config.json").write_text(config_lib.to_json(config))
+    display = ProgressDisplay(config.train.steps, int(run.state.step), main and config.metrics.progress,
+                              show_bar=show_progress)
+    writer = metrics_lib.MetricsWriter(workdir, main, config.metrics.tensorboard)
+    try:
+        display.print(f"mesh {dict(run.mesh.shape)} | {run.data.num_train_tokens:,} train tokens | "
+                      f"{run.flops_per_token / 1e6:.1f} MFLOP/token | workdir {workdir}")
+        return run_steps(run, display, writer)
+    finally:
+        writer.close()
+        display.close()

@@ -1,0 +1,76 @@
+"""Model FLOPs utilisation (PaLM convention) and the metric writers: JSONL, TensorBoard, console."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import jax
+
+# Dense bf16 peak TFLOP/s per device (no sparsity), matched against jax's device_kind in order.
+PEAK_TFLOPS = (
+    ("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("H800", 989.0), ("GH200", 989.0),
+    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("B200", 2250.0),
+    ("TPU v4", 275.0), ("TPU v5 lite", 197.0), ("TPU v5e", 197.0), ("TPU v5p", 459.0), ("TPU v5", 459.0),
+    ("TPU v6 lite", 918.0), ("TPU v6e", 918.0), ("TPU7x", 2307.0),
+)
+EMBEDDING_PARAMS = ("embed", "pos_embed")  # lookups, not matmuls: excluded from N
+
+
+def peak_tflops(device_kind: str) -> float | None:
+    """The table's dense bf16 peak for this device, or None (e.g. CPU)."""
+    for pattern, tflops in PEAK_TFLOPS:
+        if pattern.lower() in device_kind.lower():
+            return tflops
+    return None
+
+
+def non_embedding_params(params) -> int:
+    """N in 6N: every parameter except the token and position embedding tables."""
+    return sum(math.prod(v.shape) for k, v in params.items() if k not in EMBEDDING_PARAMS
+               for v in jax.tree.leaves(v))
+
+
+def flops_per_token(spec, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token, PaLM (Chowdhery et al. 2022, app. B): 6N + 12·L·H·Q·T."""
+    head_dim = spec.d_model // spec.num_heads
+    return 6.0 * n_params + 12.0 * spec.num_layers * spec.num_heads * head_dim * seq_len
+
+
+def mfu(tokens_per_sec: float, flops_per_tok: float, num_devices: int, peak: float | None) -> float | None:
+    """Achieved model FLOP/s over the devices' summed peak; None where the peak is unknown."""
+    if not peak:
+        return None
+    return tokens_per_sec * flops_per_tok / (num_devices * peak * 1e12)
+
+
+class MetricsWriter:
+    """Appends one JSON object per logged step to metrics.jsonl and mirrors scalars to TensorBoard.
+
+    Only the process that should write (process 0) creates one with enabled=True.
+    """
+
+    def __init__(self, workdir: Path, enabled: bool, tensorboard: bool):
+        self.enabled = enabled
+        self._jsonl = open(workdir / "metrics.jsonl", "a") if enabled else None
+        self._tb = None
+        if enabled and tensorboard:
+            from tensorboardX import SummaryWriter  # imported late: it is slow to import
+            self._tb = SummaryWriter(str(workdir / "tensorboard"))
+
+    def write(self, record: dict) -> None:
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()

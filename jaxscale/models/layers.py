@@ -1,0 +1,123 @@
+"""Building blocks shared by the transformer variants. Every parameter names its axes.
+
+Shapes are written into names: B batch, L length, D d_model, H heads, K kv heads,
+E head_dim, F d_ff, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# Metadata key holding a parameter's logical axis names (mapped to mesh axes by jaxscale.sharding).
+AXES_KEY = "axes"
+
+
+def _named(value, axes) -> nnx.Param:
+    assert value.ndim == len(axes), (value.shape, axes)
+    return nnx.Param(value, **{AXES_KEY: tuple(axes)})
+
+
+def normal(rngs: nnx.Rngs, shape, axes: tuple[str, ...], std: float) -> nnx.Param:
+    """A float32 parameter drawn from normal(0, std), tagged with its logical axes."""
+    return _named(std * jax.random.normal(rngs.params(), shape, jnp.float32), axes)
+
+
+def zeros(shape, axes) -> nnx.Param:
+    return _named(jnp.zeros(shape, jnp.float32), axes)
+
+
+def ones(shape, axes) -> nnx.Param:
+    return _named(jnp.ones(shape, jnp.float32), axes)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.scale = ones((dim,), ("embed",))
+        self.eps = eps
+
+    def __call__(self, x_BLD):
+        x = x_BLD.astype(jnp.float32)  # normalise in fp32 whatever the compute dtype
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...].astype(jnp.float32)).astype(x_BLD.dtype)
+
+
+class LayerNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float):
+        self.scale = ones((dim,), ("embed",))
+        self.bias = zeros((dim,), ("embed",))
+        self.eps = eps
+
+    def __call__(self, x_BLD):
+        x = x_BLD.astype(jnp.float32)
+        x = (x - x.mean(-1, keepdims=True)) * jax.lax.rsqrt(x.var(-1, keepdims=True) + self.eps)
+        return (x * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x_BLD.dtype)
+
+
+def rope(x_BLHE, positions_BL, theta: float):
+    """Rotary position embedding (rotate-half form) applied in fp32."""
+    half = x_BLHE.shape[-1] // 2
+    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_BLE = positions_BL[..., None].astype(jnp.float32) * freq
+    sin, cos = jnp.sin(angle_BLE)[:, :, None, :], jnp.cos(angle_BLE)[:, :, None, :]
+    x1, x2 = jnp.split(x_BLHE.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLHE.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal grouped-query attention; llama uses RoPE and no biases, gpt2 biases and no RoPE."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        D, H, K, E = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_model // cfg.num_heads
+        std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
+        self.wq = normal(rngs, (D, H, E), ("embed", "heads", "head_dim"), std)
+        self.wk = normal(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
+        self.wv = normal(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
+        self.wo = normal(rngs, (H, E, D), ("heads", "head_dim", "embed"), out_std)
+        self.use_rope, self.theta = cfg.family == "llama", cfg.rope_theta
+        if cfg.family == "gpt2":
+            self.bias_q = zeros((H, E), ("heads", "head_dim"))
+            self.bias_k = zeros((K, E), ("kv_heads", "head_dim"))
+            self.bias_v = zeros((K, E), ("kv_heads", "head_dim"))
+            self.bias_o = zeros((D,), ("embed",))
+
+    def _project(self, x_BLD, w, bias_name):
+        y = jnp.einsum("BLD,DHE->BLHE", x_BLD, w[...])
+        return y + getattr(self, bias_name)[...] if hasattr(self, bias_name) else y
+
+    def __call__(self, x_BLD, positions_BL):
+        q_BLHE = self._project(x_BLD, self.wq, "bias_q")
+        k_BLKE = self._project(x_BLD, self.wk, "bias_k")
+        v_BLKE = self._project(x_BLD, self.wv, "bias_v")
+        if self.use_rope:
+            q_BLHE = rope(q_BLHE, positions_BL, self.theta)
+            k_BLKE = rope(k_BLKE, positions_BL, self.theta)
+        out_BLHE = jax.nn.dot_product_attention(q_BLHE, k_BLKE, v_BLKE, is_causal=True, implementation="xla")
+        out_BLD = jnp.einsum("BLHE,HED->BLD", out_BLHE, self.wo[...])
+        return out_BLD + self.bias_o[...] if hasattr(self, "bias_o") else out_BLD
+
+
+class SwiGLU(nnx.Module):
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        D, F = cfg.d_model, cfg.d_ff
+        self.w_gate = normal(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
+        self.w_up = normal(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
+        self.w_down = normal(rngs, (F, D), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+
+    def __call__(self, x_BLD):
+        h_BLF = jax.nn.silu(x_BLD @ self.w_gate[...]) * (x_BLD @ self.w_up[...])
+        return h_BLF @ self.w_down[...]
+
+
+class GeluMLP(nnx.Module):
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        D, F = cfg.d_model, cfg.d_ff
+        self.w_in = normal(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
+        self.bias_in = zeros((F,), ("mlp",))
+        self.w_out = normal(rngs, (F, D), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+        self.bias_out = zeros((D,), ("embed",))
+
+    def __call__(self, x_BLD):
+        h_BLF = jax.nn.gelu(x_BLD @ self.w_in[...] + self.bias_in[...], approximate=True)
+        return h_BLF @ self.w_out[...] + self.bias_out[...]

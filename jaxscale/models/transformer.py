@@ -1,0 +1,139 @@
+"""Decoder-only transformer in Flax NNX: Llama-style or GPT-2-style, layers stacked and scanned.
+
+The rest of jaxscale sees the model through `LanguageModel`: parameters are a plain nested
+dict of float32 arrays, and `axes` gives each one's logical axis names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxscale.models.layers import (AXES_KEY, Attention, GeluMLP, LayerNorm, RMSNorm, SwiGLU,
+                                    normal)
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing inside a layer: recompute it all in the backward pass
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,  # keep matmul outputs, recompute the rest
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """The model's shape and options; hashable, so jitted functions can close over it."""
+
+    family: str = "llama"
+    num_layers: int = 2
+    d_model: int = 64
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    d_ff: int = 256
+    vocab_size: int = 256
+    max_seq_len: int = 1024
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    remat: str = "none"
+
+    @classmethod
+    def from_config(cls, model_cfg) -> "ModelSpec":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in model_cfg.items() if k in names})
+
+
+def _norm(spec: ModelSpec):
+    return RMSNorm(spec.d_model, spec.norm_eps) if spec.family == "llama" else LayerNorm(spec.d_model, spec.norm_eps)
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, spec: ModelSpec, rngs: nnx.Rngs):
+        self.attn_norm, self.mlp_norm = _norm(spec), _norm(spec)
+        self.attn = Attention(spec, rngs)
+        self.mlp = SwiGLU(spec, rngs) if spec.family == "llama" else GeluMLP(spec, rngs)
+
+    def __call__(self, x_BLD, positions_BL):
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL)
+        return x_BLD + self.mlp(self.mlp_norm(x_BLD))
+
+
+class Transformer(nnx.Module):
+    def __init__(self, spec: ModelSpec, rngs: nnx.Rngs):
+        self.spec = spec
+        self.embed = normal(rngs, (spec.vocab_size, spec.d_model), ("vocab", "embed"), spec.init_std)
+        if spec.family == "gpt2":
+            self.pos_embed = normal(rngs, (spec.max_seq_len, spec.d_model), ("position", "embed"), spec.init_std)
+        self.layers = _stacked_blocks(spec, rngs)
+        self.final_norm = _norm(spec)
+        if not spec.tie_embeddings:
+            self.head = normal(rngs, (spec.d_model, spec.vocab_size), ("embed", "vocab"), spec.init_std)
+
+    def __call__(self, tokens_BL, positions_BL):
+        x_BLD = jnp.take(self.embed[...], tokens_BL, axis=0)
+        if self.spec.family == "gpt2":
+            x_BLD = x_BLD + jnp.take(self.pos_embed[...], positions_BL, axis=0)
+        x_BLD = self.final_norm(self._scan_layers(x_BLD, positions_BL))
+        w_DV = self.embed[...].T if self.spec.tie_embeddings else self.head[...]
+        return jnp.einsum("BLD,DV->BLV", x_BLD, w_DV, preferred_element_type=jnp.float32)
+
+    def _scan_layers(self, x_BLD, positions_BL):
+        graphdef, stacked = nnx.split(self.layers)
+
+        def layer(x, params):
+            return nnx.merge(graphdef, params)(x, positions_BL), None
+
+        if self.spec.remat != "none":
+            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.spec.remat], prevent_cse=False)
+        return jax.lax.scan(layer, x_BLD, stacked)[0]
+
+
+def _stacked_blocks(spec: ModelSpec, rngs: nnx.Rngs) -> Block:
+    """num_layers blocks whose parameters carry a leading 'layers' dimension."""
+
+    @nnx.split_rngs(splits=spec.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return Block(spec, rngs)
+
+    return make(rngs)
+
+
+def _axes_of(path, variable) -> tuple[str, ...]:
+    axes = variable.get_metadata()[AXES_KEY]
+    return ("layers",) + axes if path[0] == "layers" else axes
+
+
+class LanguageModel:
+    """Pure functions over a parameter dict: init(key) -> params, apply(params, tokens) -> logits."""
+
+    def __init__(self, spec: ModelSpec):
+        self.spec = spec
+        abstract = nnx.eval_shape(lambda: Transformer(spec, nnx.Rngs(0)))
+        self.graphdef, state = nnx.split(abstract)
+        flat = nnx.to_flat_state(state)
+        self.axes = _unflatten({path: _axes_of(path, v) for path, v in flat})
+
+    def init(self, key) -> dict:
+        """float32 parameters from a PRNG key; the values do not depend on the device count."""
+        return nnx.to_pure_dict(nnx.split(Transformer(self.spec, nnx.Rngs(params=key)))[1])
+
+    def apply(self, params: dict, tokens_BL, positions_BL=None):
+        """Logits [B, L, V] in float32; params may be in any float dtype (the compute dtype)."""
+        if positions_BL is None:
+            positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
+        return nnx.merge(self.graphdef, params)(tokens_BL, positions_BL)
+
+
+def _unflatten(flat: dict) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree

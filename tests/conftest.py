@@ -1,0 +1,38 @@
+"""Eight fake CPU devices for every test: set before jax is imported anywhere."""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def tiny_config():
+    """A small, fast config: 2-layer llama, d_model 64, seq 32, batch 16, fp32."""
+    from jaxscale.config import defaults
+
+    config = defaults()
+    config.model.update(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, dtype="float32")
+    config.train.update(steps=20, global_batch_size=16, seq_len=32, log_every=5, eval_every=10, eval_batches=2)
+    config.optim.update(lr=3e-3, warmup_steps=5)
+    config.metrics.update(tensorboard=False, progress=False)
+    return config
+
+
+def run_cli(args, devices: int = 8, cwd=ROOT, timeout: int = 300):
+    """Run `python -m jaxscale.train ARGS` in a fresh process with `devices` fake CPU devices."""
+    import subprocess
+
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "jaxscale.train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+assert jax.device_count() == 8, "tests expect 8 fake CPU devices; was jax imported before conftest?"

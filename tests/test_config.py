@@ -1,0 +1,88 @@
+"""Config loading, overrides and validation: every bad input is one line naming the field."""
+
+import pytest
+
+from conftest import ROOT, run_cli
+from jaxscale import config as config_lib
+from jaxscale.errors import ConfigError
+from jaxscale.train import parse_args
+
+
+def _error(overrides, devices=8, config=None):
+    config = config or config_lib.defaults()
+    with pytest.raises(ConfigError) as info:
+        config_lib.apply_overrides(config, overrides)
+        config_lib.validate(config, devices)
+    return info.value
+
+
+def test_defaults_and_shipped_configs_validate():
+    config_lib.validate(config_lib.defaults(), 8)
+    for name in ("tiny", "gpt2_124m", "llama_1b"):
+        config = config_lib.load(str(ROOT / "configs" / f"{name}.py"))
+        config_lib.validate(config, 8)
+
+
+def test_overrides_parse_types():
+    config = config_lib.defaults()
+    config_lib.apply_overrides(config, ["train.steps=7", "optim.lr=1", "model.family=gpt2",
+                                        "model.tie_embeddings=False", "data.path=a b.txt"])
+    assert config.train.steps == 7 and config.optim.lr == 1.0 and isinstance(config.optim.lr, float)
+    assert config.model.family == "gpt2" and config.model.tie_embeddings is False
+    assert config.data.path == "a b.txt"
+
+
+@pytest.mark.parametrize("overrides, field, words", [
+    (["train.stepz=5"], "train.stepz", "did you mean 'steps'"),
+    (["trian.steps=5"], "trian.steps", "did you mean 'train'"),
+    (["train.steps=abc"], "train.steps", "expected int"),
+    (["model.tie_embeddings=3"], "model.tie_embeddings", "expected bool"),
+    (["mesh.data=3"], "mesh.data", "8 are available"),
+    (["mesh.data=-1", "mesh.tensor=-1"], "mesh.tensor", "only one axis may be -1"),
+    (["mesh.tensor=2"], "mesh.tensor", "not supported"),
+    (["zero_stage=1"], "zero_stage", "not supported"),
+    (["zero_stage=5"], "zero_stage", "0, 1, 2 or 3"),
+    (["train.global_batch_size=12"], "train.global_batch_size", "multiple of 8"),
+    (["train.grad_accum_steps=4", "train.global_batch_size=16"], "train.global_batch_size", "multiple of 32"),
+    (["train.grad_accum_steps=3"], "train.grad_accum_steps", "must divide"),
+    (["model.num_heads=3"], "model.num_heads", "must divide model.d_model"),
+    (["model.num_kv_heads=3"], "model.num_kv_heads", "must divide model.num_heads"),
+    (["model.family=mamba"], "model.family", "llama, gpt2"),
+    (["model.remat=some"], "model.remat", "none, full, dots_saveable"),
+    (["train.steps=0"], "train.steps", "> 0"),
+    (["data.val_fraction=1.5"], "data.val_fraction", "between 0 and 1"),
+    (["data.source=synthetic", "data.path=x.txt"], "data.source", "data.path is set"),
+    (["model.family=gpt2", "train.seq_len=2048"], "train.seq_len", "max_seq_len"),
+])
+def test_bad_input_names_field(overrides, field, words):
+    error = _error(overrides)
+    message = str(error)
+    assert error.field == field and message.startswith(field) and words in message
+    assert "\n" not in message
+
+
+def test_unknown_key_in_config_file():
+    config = config_lib.defaults()
+    with config.unlocked():
+        config.train.warmup = 3
+    error = _error([], config=config)
+    assert error.field == "train.warmup"
+
+
+def test_parse_args():
+    assert parse_args(["--config=c.py", "--config.train.steps=5", "--workdir=w"]) == ("c.py", ["train.steps=5"], "w")
+    with pytest.raises(ConfigError, match="--bogus"):
+        parse_args(["--config=c.py", "--bogus=1"])
+
+
+@pytest.mark.parametrize("flag, field", [("--config.train.stepz=5", "train.stepz"), ("--config.mesh.data=3", "mesh.data")])
+def test_cli_bad_input_exits_2_with_one_line(flag, field, tmp_path):
+    result = run_cli(["--config=configs/tiny.py", flag, f"--workdir={tmp_path}"])
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and field in lines[0] and "Traceback" not in result.stderr
+
+
+def test_cli_missing_config_file_exits_2(tmp_path):
+    result = run_cli([f"--config={tmp_path}/nope.py"])
+    assert result.returncode == 2 and "--config" in result.stderr

@@ -1,0 +1,72 @@
+"""The transformer: shapes, causality, named axes, remat policies."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxscale.models import LanguageModel, ModelSpec
+from jaxscale.sharding import DEFAULT_RULES
+
+SPECS = {
+    "llama_gqa_untied": ModelSpec(family="llama", num_layers=2, d_model=48, num_heads=6, num_kv_heads=2,
+                                  d_ff=96, vocab_size=100, tie_embeddings=False),
+    "gpt2_tied": ModelSpec(family="gpt2", num_layers=2, d_model=48, num_heads=3, num_kv_heads=3,
+                           d_ff=96, vocab_size=100, max_seq_len=32),
+}
+
+
+def _tokens(shape=(2, 16), vocab=100, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, shape), jnp.int32)
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_forward_shape_and_causality(name):
+    model = LanguageModel(SPECS[name])
+    params = model.init(jax.random.PRNGKey(0))
+    tokens = _tokens()
+    logits = model.apply(params, tokens)
+    assert logits.shape == (2, 16, 100) and logits.dtype == jnp.float32
+    changed = tokens.at[:, 10:].set((tokens[:, 10:] + 1) % 100)
+    np.testing.assert_allclose(model.apply(params, changed)[:, :10], logits[:, :10], rtol=1e-5, atol=1e-5)
+    assert not np.allclose(model.apply(params, changed)[:, 10:], logits[:, 10:])
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_every_parameter_names_its_axes(name):
+    model = LanguageModel(SPECS[name])
+    shapes = jax.eval_shape(model.init, jax.random.PRNGKey(0))
+    flat_axes = dict(jax.tree_util.tree_leaves_with_path(model.axes, is_leaf=lambda x: isinstance(x, tuple)))
+    for path, leaf in jax.tree_util.tree_leaves_with_path(shapes):
+        axes = flat_axes[path]
+        assert len(axes) == leaf.ndim and set(axes) <= set(DEFAULT_RULES), (path, axes)
+    assert model.axes["layers"]["attn"]["wk"] == ("layers", "embed", "kv_heads", "head_dim")
+    assert ("head" in shapes) == (not SPECS[name].tie_embeddings)
+    assert ("pos_embed" in shapes) == (SPECS[name].family == "gpt2")
+
+
+def test_stacked_layers_have_leading_layer_dim():
+    spec = SPECS["llama_gqa_untied"]
+    params = jax.eval_shape(LanguageModel(spec).init, jax.random.PRNGKey(0))
+    assert params["layers"]["attn"]["wq"].shape == (2, 48, 6, 8)
+    assert params["layers"]["mlp"]["w_gate"].shape == (2, 48, 96)
+
+
+def test_remat_policies_give_same_loss_and_grads():
+    results = []
+    for remat in ("none", "full", "dots_saveable"):
+        spec = ModelSpec(**{**SPECS["llama_gqa_untied"].__dict__, "remat": remat})
+        model = LanguageModel(spec)
+        params = model.init(jax.random.PRNGKey(0))
+        loss = lambda p: jnp.mean(jax.nn.logsumexp(model.apply(p, _tokens()), -1))
+        results.append(jax.jit(jax.value_and_grad(loss))(params))
+    for loss, grads in results[1:]:
+        np.testing.assert_allclose(loss, results[0][0], rtol=1e-6)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, results[0][1])
+
+
+def test_init_independent_of_call_site():
+    model = LanguageModel(SPECS["gpt2_tied"])
+    eager = model.init(jax.random.PRNGKey(3))
+    jitted = jax.jit(model.init)(jax.random.PRNGKey(3))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), eager, jitted)
