@@ -32,7 +32,7 @@ class ProgressDisplay:
 
     def print(self, message: str) -> None:
         if self.enabled:
-            self.console.print(message, markup=False)
+            self.console.print(message, markup=False, soft_wrap=True)
 
     def update(self, record: dict) -> None:
         if not self.enabled:
