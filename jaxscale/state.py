@@ -44,6 +44,14 @@ def shardings(model: LanguageModel, tx: optax.GradientTransformation, mesh: Mesh
     return TrainState(step=replicated, params=params, opt_state=opt_state, rng=replicated)
 
 
+def abstract(model: LanguageModel, tx: optax.GradientTransformation, mesh: Mesh,
+             rules=shd.DEFAULT_RULES) -> TrainState:
+    """The state as sharded ShapeDtypeStructs: for compiling and planning without allocating."""
+    shapes = jax.eval_shape(lambda: create(model, tx, 0))
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        shapes, shardings(model, tx, mesh, rules))
+
+
 def init(model: LanguageModel, tx: optax.GradientTransformation, seed: int, mesh: Mesh,
          rules=shd.DEFAULT_RULES) -> tuple[TrainState, TrainState]:
     """(state, its shardings): compiled once, each device materialises only its shards."""

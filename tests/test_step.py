@@ -90,3 +90,20 @@ def test_compute_dtype():
     assert compute_dtype("auto", "cpu") == jnp.float32
     assert compute_dtype("auto", "gpu") == jnp.bfloat16
     assert compute_dtype("bfloat16") == jnp.bfloat16
+
+
+def test_remat_policies_trade_compiled_memory(optim_cfg):
+    """Temp bytes from compiled.memory_analysis(): none > dots_saveable > full."""
+    mesh = make_mesh({"data": 1, "pipeline": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1},
+                     jax.devices()[:1])
+    shd = batch_sharding(mesh)
+    tokens = jax.ShapeDtypeStruct((8, 256), jnp.int32, sharding=shd)
+    temp = {}
+    for remat in ("none", "dots_saveable", "full"):
+        model = LanguageModel(ModelSpec(num_layers=4, d_model=64, num_heads=4, num_kv_heads=4, d_ff=256, remat=remat))
+        tx, schedule = make_optimizer(optim_cfg, 10)
+        state = state_lib.abstract(model, tx, mesh)
+        step = jit_train_step(model, tx, schedule, jnp.float32, 1, state_lib.shardings(model, tx, mesh), shd)
+        compiled = step.lower(state, {"inputs": tokens, "targets": tokens}).compile()
+        temp[remat] = compiled.memory_analysis().temp_size_in_bytes
+    assert temp["none"] > 1.5 * temp["dots_saveable"] and temp["dots_saveable"] > 1.5 * temp["full"], temp
