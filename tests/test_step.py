@@ -22,7 +22,7 @@ def _batch(rows=32, length=32, seed=0):
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-def _run(devices, accum, optim_cfg, steps=2, rows=32, vary=True):
+def _run(devices, accum, optim_cfg, steps=2, rows=32, vary=True, dtype=jnp.float32):
     """(metrics per step, final params) of `steps` updates on a data mesh of `devices`."""
     mesh = make_mesh({"data": devices, "pipeline": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1},
                      jax.devices()[:devices])
@@ -30,7 +30,7 @@ def _run(devices, accum, optim_cfg, steps=2, rows=32, vary=True):
     tx, schedule = make_optimizer(optim_cfg, 10)
     state, shardings = state_lib.init(model, tx, 0, mesh)
     shd = batch_sharding(mesh)
-    step = jit_train_step(model, tx, schedule, jnp.float32, accum, shardings, shd)
+    step = jit_train_step(model, tx, schedule, dtype, accum, shardings, shd)
     history = []
     for i in range(steps):
         batch = jax.device_put(_batch(rows, seed=i if vary else 0), shd)
@@ -84,6 +84,13 @@ def test_loss_falls_and_lr_warms_up(optim_cfg):
     assert history[-1]["loss"] < history[0]["loss"] - 0.3
     assert 0 < history[0]["lr"] < history[5]["lr"]
     assert int(history[0]["tokens"]) == 8 * 32
+
+
+def test_bfloat16_compute_keeps_float32_master_weights(reference, optim_cfg):
+    history, params, *_ = _run(8, 1, optim_cfg, dtype=jnp.bfloat16)
+    assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(params))
+    np.testing.assert_allclose(history[0]["loss"], reference[0][0]["loss"], rtol=1e-2)
+    assert history[0]["loss"].dtype == np.float32
 
 
 def test_compute_dtype():

@@ -1,0 +1,156 @@
+"""jaxscale's train step and loop against a hand-written bare-JAX step of the same math.
+
+    python benchmarks/overhead.py [--config=configs/tiny.py] [--rounds=7] [--steps=20] [--append]
+
+Both run on the same mesh and batch size, interleaved round by round so machine noise hits
+both; the table reports medians and the jaxscale/bare ratios (lower is better, 1.0 = no cost).
+The bare step is written with jax.numpy only (no Flax, no jaxscale) for llama-family configs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxscale import config as config_lib
+from jaxscale import loop
+from jaxscale.metrics import MetricsWriter
+from jaxscale.optim import make_optimizer
+from jaxscale.step import compute_dtype
+from jaxscale.progress import ProgressDisplay
+
+
+def _rms(x, scale, eps):
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps) * scale).astype(x.dtype)
+
+
+def _rope(x, theta):
+    half, length = x.shape[-1] // 2, x.shape[1]
+    angle = jnp.arange(length, dtype=jnp.float32)[:, None] * theta ** (-jnp.arange(half) / half)
+    sin, cos = jnp.sin(angle)[None, :, None], jnp.cos(angle)[None, :, None]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, -1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def _attention(h, p, spec):
+    q = _rope(jnp.einsum("bld,dhe->blhe", h, p["wq"]), spec.rope_theta)
+    k = _rope(jnp.einsum("bld,dke->blke", h, p["wk"]), spec.rope_theta)
+    v = jnp.einsum("bld,dke->blke", h, p["wv"])
+    group = spec.num_heads // spec.num_kv_heads
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    scores = jnp.einsum("blhe,bmhe->bhlm", q, k).astype(jnp.float32) / jnp.sqrt(q.shape[-1])
+    causal = jnp.tril(jnp.ones((h.shape[1], h.shape[1]), bool))
+    probs = jax.nn.softmax(jnp.where(causal, scores, -1e30), -1).astype(v.dtype)
+    return jnp.einsum("blhe,hed->bld", jnp.einsum("bhlm,bmhe->blhe", probs, v), p["wo"])
+
+
+def bare_loss(params, batch, spec, dtype):
+    """Llama forward + cross entropy in plain jax.numpy over jaxscale's parameter dict."""
+    params = jax.tree.map(lambda x: x.astype(dtype), params)
+    x = params["embed"][batch["inputs"]]
+
+    def layer(x, p):
+        x = x + _attention(_rms(x, p["attn_norm"]["scale"], spec.norm_eps), p["attn"], spec)
+        h = _rms(x, p["mlp_norm"]["scale"], spec.norm_eps)
+        m = p["mlp"]
+        return x + (jax.nn.silu(h @ m["w_gate"]) * (h @ m["w_up"])) @ m["w_down"], None
+
+    x = _rms(jax.lax.scan(layer, x, params["layers"])[0], params["final_norm"]["scale"], spec.norm_eps)
+    logits = jnp.einsum("bld,vd->blv", x, params["embed"], preferred_element_type=jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+
+
+def bare_step(run: loop.Run, tx, dtype):
+    """jit(value_and_grad + optax update) with the same shardings and donation as jaxscale's."""
+    def step(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(bare_loss)(params, batch, run.model.spec, dtype)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    s = run.shardings
+    return jax.jit(step, in_shardings=(s.params, s.opt_state, run.batch_sharding), donate_argnums=(0, 1))
+
+
+def _time_bare(step, params, opt_state, batch, n):
+    start = time.perf_counter()
+    for _ in range(n):
+        params, opt_state, loss = step(params, opt_state, batch)
+    jax.block_until_ready(loss)
+    return params, opt_state, (time.perf_counter() - start) / n
+
+
+def _time_loop(run: loop.Run, n: int) -> float:
+    """Median step time of jaxscale's own loop (data, metrics, logging every step) over n steps."""
+    run.config.train.steps = int(run.state.step) + n
+    quiet = ProgressDisplay(0, 0, enabled=False)
+    records = loop.run_steps(run, quiet, MetricsWriter(Path("."), enabled=False, tensorboard=False))
+    return statistics.median(r["step_time_s"] for r in records[1:])
+
+
+def measure(config, rounds: int, steps: int) -> dict:
+    config.train.update(log_every=1, eval_every=0)
+    run = loop.setup(config)
+    tx, _ = make_optimizer(config.optim, config.train.steps)
+    dtype = compute_dtype(config.model.dtype)
+    bare = bare_step(run, tx, dtype)
+    batch = next(run.data.train_batches(0))
+    params = jax.tree.map(jnp.copy, run.state.params)
+    opt_state = jax.tree.map(jnp.copy, run.state.opt_state)
+    ref_loss = float(loop.evaluate(run, [batch]))
+    check = float(jax.jit(bare_loss, static_argnums=(2, 3))(params, batch, run.model.spec, dtype))
+    start = time.perf_counter()
+    params, opt_state, _ = _time_bare(bare, params, opt_state, batch, 1)
+    bare_compile = time.perf_counter() - start
+    loop_times, bare_times = [], []
+    for _ in range(rounds):
+        loop_times.append(_time_loop(run, steps))
+        params, opt_state, t = _time_bare(bare, params, opt_state, batch, steps)
+        bare_times.append(t)
+    return {"loop_s": statistics.median(loop_times), "bare_s": statistics.median(bare_times),
+            "loss_gap": abs(ref_loss - check) / ref_loss, "bare_compile_s": bare_compile,
+            "tokens": config.train.global_batch_size * config.train.seq_len}
+
+
+def report(config_path: str, result: dict) -> str:
+    ratio = result["loop_s"] / result["bare_s"]
+    return "\n".join([
+        f"### overhead: `{config_path}` on {jax.device_count()} x {jax.devices()[0].device_kind} "
+        f"({platform.processor() or platform.machine()}), {datetime.date.today()}",
+        "",
+        "| step | median step time | tokens/s |",
+        "|---|---|---|",
+        f"| jaxscale loop (data, metrics) | {result['loop_s'] * 1e3:.1f} ms | {result['tokens'] / result['loop_s']:,.0f} |",
+        f"| bare JAX step, resident batch | {result['bare_s'] * 1e3:.1f} ms | {result['tokens'] / result['bare_s']:,.0f} |",
+        "",
+        f"ratio jaxscale/bare: **{ratio:.3f}**; same math check: relative loss gap {result['loss_gap']:.1e}.",
+    ])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/tiny.py")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--override", action="append", default=[], help="a.b=value, as --config.a.b")
+    parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    args = parser.parse_args()
+    config = config_lib.load(args.config)
+    config_lib.apply_overrides(config, args.override + ["metrics.progress=False", "metrics.tensorboard=False"])
+    text = report(args.config, measure(config, args.rounds, args.steps))
+    print(text)
+    if args.append:
+        with open(Path(__file__).parent / "RESULTS.md", "a") as out:
+            out.write("\n" + text + "\n")
+
+
+if __name__ == "__main__":
+    main()
