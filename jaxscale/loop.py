@@ -77,7 +77,7 @@ def _is_eval_step(step: int, train_cfg) -> bool:
     return bool(every) and (step % every == 0 or step == train_cfg.steps)
 
 
-def _compile(run: Run):
+def compile_step(run: Run):
     """Compile the step ahead of time, so step times never include compilation."""
     t = run.config.train
     batch = jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len), np.int32, sharding=run.batch_sharding)
@@ -113,7 +113,7 @@ def _record(run: Run, step: int, metrics: dict, step_time: float) -> dict:
 def run_steps(run: Run, display: ProgressDisplay, writer: metrics_lib.MetricsWriter) -> list[dict]:
     """Train from run.state.step to train.steps; returns the logged records."""
     t = run.config.train
-    compiled, compile_s = _compile(run)
+    compiled, compile_s = compile_step(run)
     display.print(f"compiled the train step in {compile_s:.1f}s")
     val = run.data.val_batches(t.eval_batches) if t.eval_every else []
     start = int(jax.device_get(run.state.step))
