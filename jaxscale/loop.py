@@ -132,6 +132,14 @@ def run_steps(run: Run, display: ProgressDisplay, writer: metrics_lib.MetricsWri
     return records
 
 
+def _summary(run: Run, workdir: Path) -> str:
+    params = sum(x.size for x in jax.tree.leaves(run.state.params))
+    mesh = " ".join(f"{k}={v}" for k, v in run.mesh.shape.items() if v > 1) or "1 device"
+    return (f"{run.model.spec.family} {params / 1e6:.2f}M params | mesh {mesh} | "
+            f"{run.data.num_train_tokens:,} train tokens | {run.flops_per_token / 1e6:.1f} MFLOP/token | "
+            f"workdir {workdir}")
+
+
 def train(config, workdir: str | Path, show_progress: bool = True) -> list[dict]:
     """Train as the config says, writing config.json, metrics.jsonl and TensorBoard events."""
     workdir = Path(workdir)
@@ -144,8 +152,7 @@ def train(config, workdir: str | Path, show_progress: bool = True) -> list[dict]
                               show_bar=show_progress)
     writer = metrics_lib.MetricsWriter(workdir, main, config.metrics.tensorboard)
     try:
-        display.print(f"mesh {dict(run.mesh.shape)} | {run.data.num_train_tokens:,} train tokens | "
-                      f"{run.flops_per_token / 1e6:.1f} MFLOP/token | workdir {workdir}")
+        display.print(_summary(run, workdir))
         return run_steps(run, display, writer)
     finally:
         writer.close()
