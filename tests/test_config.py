@@ -75,7 +75,8 @@ def test_parse_args():
         parse_args(["--config=c.py", "--bogus=1"])
 
 
-@pytest.mark.parametrize("flag, field", [("--config.train.stepz=5", "train.stepz"), ("--config.mesh.data=3", "mesh.data")])
+@pytest.mark.parametrize("flag, field", [("--config.train.stepz=5", "train.stepz"), ("--config.mesh.data=3", "mesh.data"),
+                                         ("--config.data.path=/no/such/file.txt", "data.path")])
 def test_cli_bad_input_exits_2_with_one_line(flag, field, tmp_path):
     result = run_cli(["--config=configs/tiny.py", flag, f"--workdir={tmp_path}"])
     assert result.returncode == 2, result.stderr
