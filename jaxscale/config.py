@@ -70,10 +70,16 @@ def load(path: str) -> ml_collections.ConfigDict:
         raise ConfigError("--config", path, "pass a config file such as configs/tiny.py")
     spec = importlib.util.spec_from_file_location(f"jaxscale_config_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise ConfigError("--config", path, "the file must define get_config() returning a ConfigDict")
-    return module.get_config()
+    try:
+        spec.loader.exec_module(module)
+        config = module.get_config()
+    except AttributeError as error:
+        if "get_config" not in str(error):
+            raise
+        raise ConfigError("--config", path, "the file must define get_config() returning a ConfigDict") from None
+    except (SyntaxError, ImportError, NameError) as error:
+        raise ConfigError("--config", path, f"the file does not load ({type(error).__name__}: {error})") from None
+    return config
 
 
 def _parse_value(text: str):

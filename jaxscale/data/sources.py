@@ -26,7 +26,10 @@ def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            record = json.loads(line)
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ConfigError("data.path", str(path), f"line {number} is not JSON ({error}); give one object per line") from None
             if field not in record:
                 raise ConfigError("data.text_field", field, f"line {number} of {path} has keys {sorted(record)}; name the text key")
             yield record[field]
