@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxscale.models import LanguageModel
 from jaxscale.state import TrainState
