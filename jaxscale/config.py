@@ -16,7 +16,8 @@ from pathlib import Path
 import ml_collections
 
 from jaxscale.errors import ConfigError
-from jaxscale.mesh import AXES, BATCH_AXES, resolve_shape
+from jaxscale.mesh import AXES, BATCH_AXES, axis_sizes
+from jaxscale.sharding import DEFAULT_RULES, rules_from_config
 
 FAMILIES = ("llama", "gpt2")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
@@ -39,8 +40,12 @@ def defaults() -> ml_collections.ConfigDict:
     )
     c.mesh = {axis: 1 for axis in AXES}
     c.mesh.data = -1           # -1: the devices the other axes leave
-    c.mesh_dcn = {axis: 1 for axis in AXES}  # multipliers across hosts/slices (issue: hybrid meshes)
-    c.zero_stage = 0
+    c.mesh_dcn = {axis: 1 for axis in AXES}  # multipliers across hosts/slices: data, pipeline, fsdp cross slow links
+    c.zero_stage = 0           # also shard over `data`: 1 optimizer state, 2 + gradients, 3 + parameters
+    c.sharding = dict(
+        sequence_parallel=False,  # keep norms/residuals split along length over `tensor` between TP regions
+        rules={name: ",".join(axes) for name, axes in DEFAULT_RULES.items()},  # logical axis -> mesh axes
+    )
     c.train = dict(
         steps=1000, global_batch_size=32, seq_len=128,
         grad_accum_steps=1,    # microbatches per step, accumulated inside the jitted step
@@ -182,15 +187,37 @@ def _check_model(m, seq_len: int) -> None:
              f"gpt2 learns positions up to model.max_seq_len={m.max_seq_len}; raise it or shorten seq_len")
 
 
-def _check_parallelism(c, device_count: int) -> None:
-    sizes = resolve_shape(c.mesh, device_count)
-    for axis in AXES:
-        _require(axis == "data" or sizes[axis] == 1, f"mesh.{axis}", sizes[axis],
-                 "is not supported yet (only the data axis is); set it to 1")
-        _require(c.mesh_dcn[axis] == 1, f"mesh_dcn.{axis}", c.mesh_dcn[axis],
-                 "multi-slice (DCN) meshes are not supported yet; set it to 1")
+# Logical axis -> the config field holding that dimension's size.
+_DIMENSIONS = {"embed": "model.d_model", "heads": "model.num_heads", "kv_heads": "model.num_kv_heads",
+               "mlp": "model.d_ff", "vocab": "model.vocab_size", "layers": "model.num_layers"}
+
+
+def _field(c, dotted: str):
+    section, key = dotted.split(".")
+    return c[section][key]
+
+
+def _check_rules(c, rules, sizes) -> None:
+    for name, axes in rules.items():
+        for axis in axes:
+            _require(axis in AXES, f"sharding.rules.{name}", ",".join(axes), f"'{axis}' is not a mesh axis; use {', '.join(AXES)}")
+    for name, field in _DIMENSIONS.items():
+        parts = math.prod(sizes[a] for a in rules[name])
+        _require(_field(c, field) % parts == 0, field, _field(c, field),
+                 f"the '{name}' dimension is split {parts} ways ({'x'.join(f'{a}={sizes[a]}' for a in rules[name] if sizes[a] > 1)}); use a multiple of {parts} or change the mesh")
+    parts = math.prod(sizes[a] for a in rules["length"])
+    _require(c.train.seq_len % parts == 0, "train.seq_len", c.train.seq_len,
+             f"activations are split {parts} ways along length; use a multiple of {parts}")
+
+
+def _check_parallelism(c, device_count: int, granules: int) -> None:
+    _require(c.mesh_dcn.tensor == 1, "mesh_dcn.tensor", c.mesh_dcn.tensor,
+             "tensor parallelism communicates in every layer; keep it inside a host (mesh_dcn.tensor=1)")
+    sizes = axis_sizes(c, device_count, granules)
+    for axis in ("pipeline", "expert", "sequence"):
+        _require(sizes[axis] == 1, f"mesh.{axis}", sizes[axis], "is not supported yet (data, fsdp and tensor are); set it to 1")
     _require(0 <= c.zero_stage <= 3, "zero_stage", c.zero_stage, "choose 0, 1, 2 or 3")
-    _require(c.zero_stage == 0, "zero_stage", c.zero_stage, "is not supported yet (only 0, plain data parallelism, is)")
+    _check_rules(c, rules_from_config(c, sizes)[0], sizes)
     shards = math.prod(sizes[axis] for axis in BATCH_AXES)
     t = c.train
     _require(t.global_batch_size % t.grad_accum_steps == 0, "train.grad_accum_steps", t.grad_accum_steps,
@@ -201,13 +228,16 @@ def _check_parallelism(c, device_count: int) -> None:
              f"evenly over {shards} batch shards (mesh data x fsdp); use a multiple of {shards * t.grad_accum_steps}")
 
 
-def validate(config, device_count: int) -> None:
-    """Check everything before anything compiles; raise ConfigError naming field, value, fix."""
+def validate(config, device_count: int, granules: int = 1) -> None:
+    """Check everything before anything compiles; raise ConfigError naming field, value, fix.
+
+    `granules` is the number of hosts (or TPU slices) the devices span.
+    """
     _check_keys(config, defaults())
     _check_choices(config)
     _check_positive(config)
     _check_model(config.model, config.train.seq_len)
-    _check_parallelism(config, device_count)
+    _check_parallelism(config, device_count, granules)
     _require(0.0 < config.data.val_fraction < 1.0, "data.val_fraction", config.data.val_fraction,
              "must be between 0 and 1 (exclusive)")
     _require(config.data.source in ("auto", "file") or not config.data.path, "data.source", config.data.source,

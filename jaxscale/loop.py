@@ -8,17 +8,17 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 
 from jaxscale import config as config_lib
 from jaxscale import metrics as metrics_lib
 from jaxscale import state as state_lib
 from jaxscale.data import Data, make_data
-from jaxscale.mesh import make_mesh
+from jaxscale.mesh import granule_count
 from jaxscale.models import LanguageModel, ModelSpec
 from jaxscale.optim import make_optimizer
 from jaxscale.progress import ProgressDisplay
-from jaxscale.sharding import batch_sharding
+from jaxscale.sharding import Layout, layout_from_config
 from jaxscale.step import compute_dtype, jit_eval_step, jit_train_step
 
 
@@ -27,12 +27,13 @@ class Run:
     """Everything built from the config before the first step."""
 
     config: object
-    mesh: Mesh
+    layout: Layout
     model: LanguageModel
     data: Data
     state: state_lib.TrainState
     shardings: state_lib.TrainState
     batch_sharding: NamedSharding
+    notes: list[str]     # one-line explanations of layout adjustments
     train_step: object   # jitted (state, batch) -> (state, metrics)
     eval_step: object    # jitted (params, batch) -> loss
     flops_per_token: float
@@ -45,20 +46,19 @@ def _peak(config) -> float | None:
 
 def setup(config) -> Run:
     """Validate, then build mesh, model, data, sharded state and the jitted steps."""
-    config_lib.validate(config, jax.device_count())
-    mesh = make_mesh(config.mesh)
+    config_lib.validate(config, jax.device_count(), granule_count(jax.devices()))
+    layout, notes = layout_from_config(config)
     model = LanguageModel(ModelSpec.from_config(config.model))
     tx, schedule = make_optimizer(config.optim, config.train.steps)
-    batch_shd = batch_sharding(mesh)
-    data = make_data(config, batch_shd)
-    state, shardings = state_lib.init(model, tx, config.train.seed, mesh)
+    data = make_data(config, layout.batch_sharding())
+    state, shardings = state_lib.init(model, tx, config.train.seed, layout)
     dtype = compute_dtype(config.model.dtype)
     n = metrics_lib.non_embedding_params(state.params)
-    return Run(config=config, mesh=mesh, model=model, data=data, state=state, shardings=shardings,
-               batch_sharding=batch_shd,
-               train_step=jit_train_step(model, tx, schedule, dtype, config.train.grad_accum_steps,
-                                         shardings, batch_shd),
-               eval_step=jit_eval_step(model, dtype, shardings.params, batch_shd),
+    step = jit_train_step(model, tx, schedule, dtype, config.train.grad_accum_steps, layout, shardings,
+                          state_lib.grad_shardings(model, layout))
+    return Run(config=config, layout=layout, notes=notes, model=model, data=data, state=state,
+               shardings=shardings, batch_sharding=layout.batch_sharding(), train_step=step,
+               eval_step=jit_eval_step(model, dtype, layout, shardings.params),
                flops_per_token=metrics_lib.flops_per_token(model.spec, n, config.train.seq_len),
                peak_tflops=_peak(config))
 
@@ -134,7 +134,8 @@ def run_steps(run: Run, display: ProgressDisplay, writer: metrics_lib.MetricsWri
 
 def _summary(run: Run, workdir: Path) -> str:
     params = sum(x.size for x in jax.tree.leaves(run.state.params))
-    mesh = " ".join(f"{k}={v}" for k, v in run.mesh.shape.items() if v > 1) or "1 device"
+    mesh = " ".join(f"{k}={v}" for k, v in run.layout.mesh.shape.items() if v > 1) or "1 device"
+    mesh += f" zero_stage={run.layout.zero_stage}" if run.layout.zero_stage else ""
     return (f"{run.model.spec.family} {params / 1e6:.2f}M params | mesh {mesh} | "
             f"{run.data.num_train_tokens:,} train tokens | {run.flops_per_token / 1e6:.1f} MFLOP/token | "
             f"workdir {workdir}")
@@ -153,6 +154,8 @@ def train(config, workdir: str | Path, show_progress: bool = True) -> list[dict]
     writer = metrics_lib.MetricsWriter(workdir, main, config.metrics.tensorboard)
     try:
         display.print(_summary(run, workdir))
+        for note in run.notes:
+            display.print(f"note: {note}")
         return run_steps(run, display, writer)
     finally:
         writer.close()

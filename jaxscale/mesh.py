@@ -1,4 +1,9 @@
-"""The device mesh: named axes, outer (slow links) to inner (fast links)."""
+"""The device mesh: named axes, outer (slow links) to inner (fast links).
+
+`mesh.*` sizes are per slice (devices joined by fast links: one host's GPUs, one TPU slice);
+`mesh_dcn.*` multiply them across slices over the slow data-center network. With all DCN
+multipliers 1 (one host or one slice), `mesh.*` describes the whole mesh.
+"""
 
 from __future__ import annotations
 
@@ -16,32 +21,76 @@ AXES = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 
-def resolve_shape(mesh_cfg, device_count: int) -> dict[str, int]:
+def resolve_shape(mesh_cfg, device_count: int, field: str = "mesh") -> dict[str, int]:
     """Axis sizes with the one -1 replaced by the devices left; errors name the field."""
     sizes = {axis: int(mesh_cfg[axis]) for axis in AXES}
     for axis, size in sizes.items():
         if size == 0 or size < -1:
-            raise ConfigError(f"mesh.{axis}", size, "use a positive size, or -1 for 'the remaining devices'")
+            raise ConfigError(f"{field}.{axis}", size, "use a positive size, or -1 for 'the remaining devices'")
     free = [axis for axis, size in sizes.items() if size == -1]
     if len(free) > 1:
-        raise ConfigError(f"mesh.{free[1]}", -1, f"only one axis may be -1 (mesh.{free[0]} already is)")
+        raise ConfigError(f"{field}.{free[1]}", -1, f"only one axis may be -1 ({field}.{free[0]} already is)")
     fixed = math.prod(size for size in sizes.values() if size != -1)
     if free:
         if device_count % fixed:
-            raise ConfigError(f"mesh.{free[0]}", -1, f"the other axes multiply to {fixed}, which does not divide {device_count} devices")
+            raise ConfigError(f"{field}.{free[0]}", -1, f"the other axes multiply to {fixed}, which does not divide {device_count} devices")
         sizes[free[0]] = device_count // fixed
     elif fixed != device_count:
         shown = "x".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all 1"
         worst = max(sizes, key=sizes.get)
-        raise ConfigError(f"mesh.{worst}", sizes[worst], f"the mesh ({shown}) has {fixed} devices but {device_count} are available; make the axis sizes multiply to {device_count} or set one to -1")
+        raise ConfigError(f"{field}.{worst}", sizes[worst], f"the mesh ({shown}) has {fixed} devices but {device_count} are available; make the axis sizes multiply to {device_count} or set one to -1")
     return sizes
 
 
-def make_mesh(mesh_cfg, devices=None) -> Mesh:
-    """A Mesh over `devices` (default: all) with every axis of AXES, in Auto mode."""
+def dcn_shape(dcn_cfg, device_count: int, granules: int) -> dict[str, int]:
+    """Validated DCN multipliers: they must multiply to the number of slices/hosts."""
+    sizes = {axis: int(dcn_cfg[axis]) for axis in AXES}
+    for axis, size in sizes.items():
+        if size < 1:
+            raise ConfigError(f"mesh_dcn.{axis}", size, "DCN multipliers are positive integers (1 = within a slice)")
+    total = math.prod(sizes.values())
+    if total > 1 and total != granules:
+        worst = max(sizes, key=sizes.get)
+        raise ConfigError(f"mesh_dcn.{worst}", sizes[worst], f"the DCN multipliers multiply to {total} but the job has {granules} hosts/slices ({device_count} devices); make them multiply to {granules}")
+    return sizes
+
+
+def axis_sizes(config, device_count: int, granules: int = 1) -> dict[str, int]:
+    """Total size of every axis: per-slice size x DCN multiplier."""
+    dcn = dcn_shape(config.mesh_dcn, device_count, granules)
+    ici = resolve_shape(config.mesh, device_count // math.prod(dcn.values()))
+    return {axis: ici[axis] * dcn[axis] for axis in AXES}
+
+
+def _has_slices(devices) -> bool:
+    return devices[0].platform == "tpu" and hasattr(devices[0], "slice_index")
+
+
+def granule_count(devices) -> int:
+    """Slices (TPU) or hosts (others): the units joined by the slow network."""
+    if _has_slices(devices):
+        return len({d.slice_index for d in devices})
+    return len({d.process_index for d in devices})
+
+
+def make_mesh(mesh_cfg, devices=None, dcn_cfg=None) -> Mesh:
+    """A Mesh over `devices` (default: all) with every axis of AXES, in Auto mode.
+
+    With DCN multipliers > 1 the device grid comes from JAX's hybrid mesh builder, so that each
+    slice (TPU) or host (GPU, CPU) holds a contiguous block of the inner axes.
+    """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = resolve_shape(mesh_cfg, len(devices))
-    shape = tuple(sizes[axis] for axis in AXES)
+    dcn = dcn_shape(dcn_cfg or {axis: 1 for axis in AXES}, len(devices), granule_count(devices))
+    ici = resolve_shape(mesh_cfg, len(devices) // math.prod(dcn.values()))
+    auto = (AxisType.Auto,) * len(AXES)
+    if math.prod(dcn.values()) > 1:
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_hybrid_device_mesh(
+            [ici[a] for a in AXES], [dcn[a] for a in AXES], devices,
+            process_is_granule=not _has_slices(devices))
+        return Mesh(grid, AXES, axis_types=auto)
+    shape = tuple(ici[axis] for axis in AXES)
     if devices == list(jax.devices()):
-        return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES))
-    return Mesh(np.array(devices).reshape(shape), AXES, axis_types=(AxisType.Auto,) * len(AXES))
+        return jax.make_mesh(shape, AXES, axis_types=auto)
+    return Mesh(np.array(devices).reshape(shape), AXES, axis_types=auto)

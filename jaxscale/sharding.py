@@ -1,52 +1,145 @@
-"""Logical axis names -> mesh axes -> PartitionSpecs: the one table that places every array."""
+"""Logical axis names -> mesh axes -> PartitionSpecs: the one table that places every array.
+
+Parameters and activations use different names where they must be placed differently:
+`embed` (a weight's model dimension) is split over `fsdp`, while `act_embed` (the model
+dimension of activations) is not; `length` is the residual stream's sequence dimension, split
+over `tensor` too in sequence-parallel mode, and `act_length` the one inside tensor-parallel
+regions (attention, MLP), which never is.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Mapping
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxscale.mesh import BATCH_AXES
+from jaxscale.mesh import AXES, BATCH_AXES, make_mesh
 
 # Model axis name -> mesh axes it is split over. Mesh axes of size 1 are dropped from specs,
-# so the same table serves every layout.
+# so one table serves every layout. Overridable from config: --config.sharding.rules.NAME=a,b
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
-    "batch": BATCH_AXES,
-    "length": ("sequence",),
+    # parameters
     "embed": ("fsdp",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
+    "head_dim": (),
     "mlp": ("tensor",),
     "vocab": ("tensor",),
-    "head_dim": (),
-    "position": (),
     "layers": ("pipeline",),
+    "position": (),
+    # activations
+    "batch": BATCH_AXES,
+    "length": ("sequence",),
+    "act_length": ("sequence",),
+    "act_embed": (),
+    "act_heads": ("tensor",),
+    "act_kv_heads": ("tensor",),
+    "act_mlp": ("tensor",),
+    "act_vocab": ("tensor",),
 }
 
+_ACTIVE: contextvars.ContextVar["Layout | None"] = contextvars.ContextVar("jaxscale_layout", default=None)
 
-def logical_to_spec(names: tuple[str, ...], mesh: Mesh, rules=DEFAULT_RULES, where: str = "") -> P:
-    """PartitionSpec for an array whose dimensions have these logical names.
 
-    A mesh axis is used at most once per array (the first dimension that asks gets it).
+def _entry(axes: tuple[str, ...]):
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A mesh, its rule table and the ZeRO stage: everything that decides where arrays live."""
+
+    mesh: Mesh
+    rule_items: tuple[tuple[str, tuple[str, ...]], ...] = tuple(DEFAULT_RULES.items())
+    zero_stage: int = 0
+    manual_axes: tuple[str, ...] = ()  # inside shard_map over these axes: specs must not name them
+
+    @classmethod
+    def of(cls, mesh: Mesh, rules: Mapping[str, tuple[str, ...]] = DEFAULT_RULES, zero_stage: int = 0) -> "Layout":
+        return cls(mesh, tuple((k, tuple(v)) for k, v in rules.items()), zero_stage)
+
+    def inside(self, *manual: str) -> "Layout":
+        """This layout as seen inside shard_map over `manual` axes."""
+        return dataclasses.replace(self, manual_axes=self.manual_axes + manual)
+
+    @property
+    def rules(self) -> Mapping[str, tuple[str, ...]]:
+        return dict(self.rule_items)
+
+    def spec(self, names: tuple[str, ...], where: str = "") -> P:
+        """PartitionSpec for dimensions with these logical names; each mesh axis used at most once."""
+        rules, used, entries = self.rules, set(), []
+        for name in names:
+            if name not in rules:
+                raise ValueError(f"{where or 'array'}: logical axis '{name}' matches no sharding rule; "
+                                 f"add --config.sharding.rules.{name}=AXES (known: {', '.join(sorted(rules))})")
+            axes = tuple(a for a in rules[name]
+                         if self.mesh.shape[a] > 1 and a not in used and a not in self.manual_axes)
+            used.update(axes)
+            entries.append(_entry(axes))
+        while entries and entries[-1] is None:
+            entries.pop()
+        return P(*entries)
+
+    def sharding(self, names: tuple[str, ...]) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(names))
+
+    def batch_sharding(self) -> NamedSharding:
+        """Sharding of a [batch, length] token array."""
+        return self.sharding(("batch", "length"))
+
+    @contextlib.contextmanager
+    def activate(self):
+        """Within this block (while tracing), `constrain` places activations by this layout."""
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
+    """Sharding constraint on an activation by logical names; a no-op outside Layout.activate()."""
+    layout = _ACTIVE.get()
+    return x if layout is None else jax.lax.with_sharding_constraint(x, layout.sharding(names))
+
+
+def tree_specs(layout: Layout, axes_tree):
+    """PartitionSpecs for a tree whose leaves are tuples of logical names; errors name the path."""
+    def one(path, names):
+        return layout.spec(names, where=jax.tree_util.keystr(path))
+    return jax.tree_util.tree_map_with_path(one, axes_tree, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def add_axis(spec: P, shape: tuple[int, ...], axis: str, mesh: Mesh) -> P:
+    """`spec` further split over `axis` on the dimension that takes it best (ZeRO over `data`).
+
+    Picks the dimension with the most elements per shard whose size stays divisible; a leaf too
+    small to split (a scalar, a norm scale smaller than the axis) stays replicated over `axis`.
     """
-    used: set[str] = set()
-    entries = []
-    for name in names:
-        if name not in rules:
-            raise ValueError(f"{where or 'array'}: logical axis '{name}' matches no sharding rule; "
-                             f"add '{name}' to the rules (known: {', '.join(sorted(rules))})")
-        axes = tuple(a for a in rules[name] if mesh.shape[a] > 1 and a not in used)
-        used.update(axes)
-        entries.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    size = mesh.shape[axis]
+    entries = list(spec) + [None] * (len(shape) - len(spec))
+    flat = [a for e in entries if e for a in ((e,) if isinstance(e, str) else e)]
+    if size == 1 or axis in flat:
+        return spec
+
+    def parts(entry) -> int:
+        return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ()))
+
+    fits = [d for d in range(len(shape)) if shape[d] % (parts(entries[d]) * size) == 0]
+    if not fits:
+        return spec
+    best = max(fits, key=lambda d: shape[d] // parts(entries[d]))
+    current = () if entries[best] is None else (entries[best],) if isinstance(entries[best], str) else entries[best]
+    entries[best] = _entry(tuple(sorted(current + (axis,), key=AXES.index)))  # outer mesh axis first
     while entries and entries[-1] is None:
         entries.pop()
     return P(*entries)
-
-
-def tree_specs(axes_tree, mesh: Mesh, rules=DEFAULT_RULES):
-    """PartitionSpecs for a tree whose leaves are tuples of logical names; errors name the path."""
-    def one(path, names):
-        return logical_to_spec(names, mesh, rules, where=jax.tree_util.keystr(path))
-    return jax.tree_util.tree_map_with_path(one, axes_tree, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def named(mesh: Mesh, specs):
@@ -54,6 +147,28 @@ def named(mesh: Mesh, specs):
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
 
-def batch_sharding(mesh: Mesh, rules=DEFAULT_RULES) -> NamedSharding:
-    """Sharding of a [batch, length] token array."""
-    return NamedSharding(mesh, logical_to_spec(("batch", "length"), mesh, rules))
+def rules_from_config(config, sizes: Mapping[str, int]) -> tuple[dict[str, tuple[str, ...]], list[str]]:
+    """The rule table for a run: defaults, config overrides, then layout-dependent adjustments.
+
+    Returns (rules, notes): notes are one-line explanations of adjustments made.
+    """
+    rules = dict(DEFAULT_RULES)
+    for name, text in config.sharding.rules.items():
+        rules[name] = tuple(a.strip() for a in text.split(",") if a.strip())
+    notes = []
+    if config.sharding.sequence_parallel and "tensor" not in rules["length"]:
+        rules["length"] = rules["length"] + ("tensor",)
+    tensor, kv = sizes["tensor"], config.model.num_kv_heads
+    if tensor > 1 and kv % tensor:
+        rules["kv_heads"] = tuple(a for a in rules["kv_heads"] if a != "tensor")
+        rules["act_kv_heads"] = tuple(a for a in rules["act_kv_heads"] if a != "tensor")
+        notes.append(f"model.num_kv_heads={kv} does not divide over tensor={tensor}: "
+                     "key/value projections are replicated across the tensor axis")
+    return rules, notes
+
+
+def layout_from_config(config, devices=None) -> tuple[Layout, list[str]]:
+    """The run's Layout (mesh, rules, ZeRO stage) and notes on rule adjustments."""
+    mesh = make_mesh(config.mesh, devices, config.mesh_dcn)
+    rules, notes = rules_from_config(config, dict(mesh.shape))
+    return Layout.of(mesh, rules, config.zero_stage), notes

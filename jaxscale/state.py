@@ -1,6 +1,9 @@
 """TrainState and its construction: abstract shapes -> shardings -> jit(init, out_shardings).
 
 The state is never built unsharded: each device creates only its own shards.
+
+ZeRO over `data` (the `fsdp` axis always shards everything it is given by the rules):
+stage 0 nothing more, 1 optimizer state, 2 + gradients, 3 + parameters.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxscale import sharding as shd
 from jaxscale.models import LanguageModel
@@ -33,28 +36,41 @@ def create(model: LanguageModel, tx: optax.GradientTransformation, seed: int) ->
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng)
 
 
-def shardings(model: LanguageModel, tx: optax.GradientTransformation, mesh: Mesh,
-              rules=shd.DEFAULT_RULES) -> TrainState:
-    """NamedShardings for every leaf of the state, from the model's logical axes."""
-    abstract = jax.eval_shape(lambda: create(model, tx, 0))
-    replicated = NamedSharding(mesh, P())
-    params = shd.named(mesh, shd.tree_specs(model.axes, mesh, rules))
-    opt_state = optax.tree_map_params(tx, lambda _, s: s, abstract.opt_state, params,
+def param_specs(model: LanguageModel, layout: shd.Layout, over_data: bool) -> dict:
+    """PartitionSpecs of parameter-shaped trees; over_data adds the ZeRO split over `data`."""
+    specs = shd.tree_specs(layout, model.axes)
+    if not over_data:
+        return specs
+    return jax.tree.map(lambda spec, shape: shd.add_axis(spec, shape.shape, "data", layout.mesh),
+                        specs, model.shapes, is_leaf=lambda x: isinstance(x, P))
+
+
+def grad_shardings(model: LanguageModel, layout: shd.Layout) -> dict:
+    """Where gradients live after the backward pass: split over `data` from ZeRO stage 2."""
+    return shd.named(layout.mesh, param_specs(model, layout, layout.zero_stage >= 2))
+
+
+def shardings(model: LanguageModel, tx: optax.GradientTransformation, layout: shd.Layout) -> TrainState:
+    """NamedShardings for every leaf of the state, from the model's logical axes and the ZeRO stage."""
+    abstract_state = jax.eval_shape(lambda: create(model, tx, 0))
+    replicated = NamedSharding(layout.mesh, P())
+    params = shd.named(layout.mesh, param_specs(model, layout, layout.zero_stage >= 3))
+    moments = shd.named(layout.mesh, param_specs(model, layout, layout.zero_stage >= 1))
+    opt_state = optax.tree_map_params(tx, lambda _, s: s, abstract_state.opt_state, moments,
                                       transform_non_params=lambda _: replicated)
     return TrainState(step=replicated, params=params, opt_state=opt_state, rng=replicated)
 
 
-def abstract(model: LanguageModel, tx: optax.GradientTransformation, mesh: Mesh,
-             rules=shd.DEFAULT_RULES) -> TrainState:
+def abstract(model: LanguageModel, tx: optax.GradientTransformation, layout: shd.Layout) -> TrainState:
     """The state as sharded ShapeDtypeStructs: for compiling and planning without allocating."""
     shapes = jax.eval_shape(lambda: create(model, tx, 0))
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        shapes, shardings(model, tx, mesh, rules))
+                        shapes, shardings(model, tx, layout))
 
 
-def init(model: LanguageModel, tx: optax.GradientTransformation, seed: int, mesh: Mesh,
-         rules=shd.DEFAULT_RULES) -> tuple[TrainState, TrainState]:
+def init(model: LanguageModel, tx: optax.GradientTransformation, seed: int,
+         layout: shd.Layout) -> tuple[TrainState, TrainState]:
     """(state, its shardings): compiled once, each device materialises only its shards."""
-    out = shardings(model, tx, mesh, rules)
+    out = shardings(model, tx, layout)
     state = jax.jit(create, static_argnums=(0, 1, 2), out_shardings=out)(model, tx, seed)
     return state, out

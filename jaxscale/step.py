@@ -10,6 +10,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxscale.models import LanguageModel
+from jaxscale.sharding import Layout
 from jaxscale.state import TrainState
 
 Batch = dict[str, jax.Array]  # {'inputs', 'targets'}: int32 [B, L]
@@ -23,10 +24,11 @@ def compute_dtype(name: str, platform: str | None = None) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-def loss_fn(params: dict, batch: Batch, model: LanguageModel, dtype) -> jax.Array:
+def loss_fn(params: dict, batch: Batch, model: LanguageModel, dtype, layout: Layout) -> jax.Array:
     """Mean next-token cross entropy; the forward runs in `dtype`, the loss in float32."""
     cast = jax.tree.map(lambda p: p.astype(dtype), params)
-    logits_BLV = model.apply(cast, batch["inputs"])
+    with layout.activate():  # activations are placed by the layout's rules while tracing
+        logits_BLV = model.apply(cast, batch["inputs"])
     return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"]).mean()
 
 
@@ -39,37 +41,43 @@ def _microbatches(batch: Batch, count: int) -> Batch:
 
 
 def _accumulate(params, batch: Batch, grad_fn, count: int):
-    """Summed (loss, grads) over microbatches, in float32, without any cross-device reduction."""
+    """Mean (loss, grads) over microbatches, summed in float32."""
     def add(carry, micro):
         return jax.tree.map(jnp.add, carry, grad_fn(params, micro)), None
 
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    return jax.lax.scan(add, zeros, _microbatches(batch, count))[0]
+    total = jax.lax.scan(add, zeros, _microbatches(batch, count))[0]
+    return jax.tree.map(lambda x: x / count, total)
 
 
-def loss_and_grads(params, batch: Batch, model, dtype, accum_steps: int, batch_sharding: NamedSharding):
-    """Mean loss and gradients over `accum_steps` microbatches.
-
-    With accumulation, each data shard sums its microbatch gradients locally (shard_map over
-    the `data` axis) and the sum is reduced across devices once per step, not per microbatch.
-    """
-    grad_fn = jax.value_and_grad(functools.partial(loss_fn, model=model, dtype=dtype))
-    if accum_steps == 1:
-        return grad_fn(params, batch)
-    mesh = batch_sharding.mesh
+def _accumulate_per_replica(params, batch: Batch, model, dtype, count: int, layout: Layout):
+    """Accumulate inside shard_map over `data`: each replica sums its microbatch gradients
+    locally and they are reduced across `data` once per step, not once per microbatch."""
+    grad_fn = jax.value_and_grad(functools.partial(loss_fn, model=model, dtype=dtype, layout=layout.inside("data")))
 
     def local(params, batch):
-        total = _accumulate(params, batch, grad_fn, accum_steps)
-        return jax.lax.pmean(jax.tree.map(lambda x: x / accum_steps, total), "data")
+        return jax.lax.pmean(_accumulate(params, batch, grad_fn, count), "data")
 
     # check_vma=False: gradients of the replicated params stay per-device until the pmean.
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(),
+    return jax.shard_map(local, mesh=layout.mesh, in_specs=(P(), P("data")), out_specs=P(),
                          axis_names={"data"}, check_vma=False)(params, batch)
 
 
-def train_step(state: TrainState, batch: Batch, *, model, tx, schedule, dtype, accum_steps, batch_sharding):
+def loss_and_grads(params, batch: Batch, model, dtype, accum_steps: int, layout: Layout):
+    """Mean loss and gradients over `accum_steps` microbatches."""
+    if accum_steps > 1 and layout.zero_stage < 3:
+        return _accumulate_per_replica(params, batch, model, dtype, accum_steps, layout)
+    grad_fn = jax.value_and_grad(functools.partial(loss_fn, model=model, dtype=dtype, layout=layout))
+    if accum_steps == 1:
+        return grad_fn(params, batch)
+    # ZeRO-3: parameters are split over `data` too, so each microbatch gathers them; no shard_map.
+    return _accumulate(params, batch, grad_fn, accum_steps)
+
+
+def train_step(state: TrainState, batch: Batch, *, model, tx, schedule, dtype, accum_steps, layout, grad_shardings):
     """One optimizer update. Returns the new state and scalar metrics."""
-    loss, grads = loss_and_grads(state.params, batch, model, dtype, accum_steps, batch_sharding)
+    loss, grads = loss_and_grads(state.params, batch, model, dtype, accum_steps, layout)
+    grads = jax.lax.with_sharding_constraint(grads, grad_shardings)  # ZeRO-2: reduce-scatter, not all-reduce
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                      opt_state=opt_state, rng=jax.random.fold_in(state.rng, state.step))
@@ -78,18 +86,18 @@ def train_step(state: TrainState, batch: Batch, *, model, tx, schedule, dtype, a
     return new, metrics
 
 
-def jit_train_step(model, tx, schedule, dtype, accum_steps: int, state_shardings: TrainState,
-                   batch_sharding: NamedSharding):
+def jit_train_step(model, tx, schedule, dtype, accum_steps: int, layout: Layout,
+                   state_shardings: TrainState, grad_shardings):
     """train_step jitted once with explicit shardings; the old state is donated."""
     step = functools.partial(train_step, model=model, tx=tx, schedule=schedule, dtype=dtype,
-                             accum_steps=accum_steps, batch_sharding=batch_sharding)
-    replicated = NamedSharding(batch_sharding.mesh, P())
-    return jax.jit(step, in_shardings=(state_shardings, batch_sharding),
+                             accum_steps=accum_steps, layout=layout, grad_shardings=grad_shardings)
+    replicated = NamedSharding(layout.mesh, P())
+    return jax.jit(step, in_shardings=(state_shardings, layout.batch_sharding()),
                    out_shardings=(state_shardings, replicated), donate_argnums=0)
 
 
-def jit_eval_step(model, dtype, params_shardings, batch_sharding: NamedSharding):
+def jit_eval_step(model, dtype, layout: Layout, params_shardings):
     """Mean validation loss of one batch."""
-    fn = functools.partial(loss_fn, model=model, dtype=dtype)
-    replicated = NamedSharding(batch_sharding.mesh, P())
-    return jax.jit(fn, in_shardings=(params_shardings, batch_sharding), out_shardings=replicated)
+    fn = functools.partial(loss_fn, model=model, dtype=dtype, layout=layout)
+    replicated = NamedSharding(layout.mesh, P())
+    return jax.jit(fn, in_shardings=(params_shardings, layout.batch_sharding()), out_shardings=replicated)

@@ -26,6 +26,18 @@ def tiny_config():
     return config
 
 
+def make_layout(devices: int | None = None, zero_stage: int = 0, **sizes):
+    """A Layout over the first `devices` devices (default: the product of sizes) with default rules."""
+    import math
+
+    from jaxscale.mesh import AXES, make_mesh
+    from jaxscale.sharding import Layout
+
+    axes = {axis: sizes.get(axis, 1) for axis in AXES}
+    count = devices or math.prod(axes.values())
+    return Layout.of(make_mesh(axes, jax.devices()[:count]), zero_stage=zero_stage)
+
+
 def run_cli(args, devices: int = 8, cwd=ROOT, timeout: int = 300):
     """Run `python -m jaxscale.train ARGS` in a fresh process with `devices` fake CPU devices."""
     import subprocess

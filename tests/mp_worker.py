@@ -15,10 +15,10 @@ def main(port: str, process_id: str, workdir: str, overrides: str) -> None:
     config = config_lib.defaults()
     config_lib.apply_overrides(config, json.loads(overrides))
     from jaxscale.data import process_rows
-    from jaxscale.mesh import make_mesh
-    from jaxscale.sharding import batch_sharding
+    from jaxscale.sharding import layout_from_config
 
-    rows = process_rows(batch_sharding(make_mesh(config.mesh)), (config.train.global_batch_size, config.train.seq_len))
+    batch = layout_from_config(config)[0].batch_sharding()
+    rows = process_rows(batch, (config.train.global_batch_size, config.train.seq_len))
     print(f"process {process_id} reads rows {rows.start}:{rows.stop}", flush=True)
     train(config, workdir, show_progress=False)
     jax.distributed.shutdown()

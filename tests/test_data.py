@@ -10,16 +10,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxscale.config import defaults
 from jaxscale.data import load_tokenizer, make_data, process_rows
 from jaxscale.data.windows import TokenWindows
+from conftest import make_layout
 from jaxscale.errors import ConfigError
 from jaxscale.mesh import make_mesh
-from jaxscale.sharding import batch_sharding
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 400  # 18 KB
 
 
 def _sharding(devices=8):
-    axes = {"data": devices, "pipeline": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1}
-    return batch_sharding(make_mesh(axes, jax.devices()[:devices]))
+    return make_layout(data=devices).batch_sharding()
 
 
 def _config(path="", **data):

@@ -1,48 +1,93 @@
-"""Logical axes -> PartitionSpecs, and the sharded train state."""
+"""Logical axes -> PartitionSpecs, ZeRO stages, and the sharded train state."""
 
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from conftest import make_layout
 from jaxscale import state as state_lib
-from jaxscale.mesh import make_mesh
+from jaxscale.config import defaults
 from jaxscale.models import LanguageModel, ModelSpec
 from jaxscale.optim import make_optimizer
-from jaxscale.sharding import batch_sharding, logical_to_spec, tree_specs
-
-
-def _mesh(**sizes):
-    cfg = {"data": 1, "pipeline": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1, **sizes}
-    return make_mesh(cfg)
+from jaxscale.sharding import add_axis, rules_from_config, tree_specs
 
 
 def test_rules_drop_size_one_axes_and_reuse():
-    mesh = _mesh(data=2, fsdp=2, tensor=2)
-    assert logical_to_spec(("batch", "length"), mesh) == P(("data", "fsdp"))
-    assert logical_to_spec(("embed", "mlp"), mesh) == P("fsdp", "tensor")
-    assert logical_to_spec(("heads", "mlp"), mesh) == P("tensor")  # tensor used once per array
-    assert logical_to_spec(("layers", "embed", "heads", "head_dim"), mesh) == P(None, "fsdp", "tensor")
-    assert logical_to_spec(("embed", "mlp"), _mesh(data=8)) == P()
+    layout = make_layout(data=2, fsdp=2, tensor=2)
+    assert layout.spec(("batch", "length")) == P(("data", "fsdp"))
+    assert layout.spec(("embed", "mlp")) == P("fsdp", "tensor")
+    assert layout.spec(("heads", "mlp")) == P("tensor")  # tensor used once per array
+    assert layout.spec(("layers", "embed", "heads", "head_dim")) == P(None, "fsdp", "tensor")
+    assert layout.spec(("batch", "length", "act_embed")) == P(("data", "fsdp"))
+    assert layout.inside("data").spec(("batch", "act_length", "act_mlp")) == P("fsdp", None, "tensor")
+    assert make_layout(data=8).spec(("embed", "mlp")) == P()
 
 
 def test_unmatched_axis_names_the_parameter():
     with pytest.raises(ValueError, match=r"\['layers'\]\['w'\].*'experts'"):
-        tree_specs({"layers": {"w": ("experts", "embed")}}, _mesh(data=8))
+        tree_specs(make_layout(data=8), {"layers": {"w": ("experts", "embed")}})
 
 
-def test_data_parallel_state_is_replicated_and_batch_split():
-    mesh = _mesh(data=8)
-    model = LanguageModel(ModelSpec(num_layers=2, d_model=32, num_heads=2, num_kv_heads=2, d_ff=64))
-    tx, _ = make_optimizer(_optim(), 10)
-    state, shardings = state_lib.init(model, tx, 0, mesh)
-    for leaf in jax.tree.leaves(state):
-        assert leaf.sharding.spec == P() and leaf.sharding.mesh.shape["data"] == 8
-    assert batch_sharding(mesh).spec == P("data")
-    # each Adam moment carries its parameter's sharding (optax tree_map_params)
-    mu = state.opt_state[1][0].mu
-    assert jax.tree.structure(mu) == jax.tree.structure(state.params)
+def test_add_axis_picks_a_divisible_dimension():
+    mesh = make_layout(data=4, fsdp=2).mesh
+    assert add_axis(P("fsdp"), (64, 6), "data", mesh) == P(("data", "fsdp"))
+    assert add_axis(P(None, None), (6, 64), "data", mesh) == P(None, "data")
+    assert add_axis(P(), (3,), "data", mesh) == P()  # too small: stays replicated
 
 
-def _optim():
-    from jaxscale.config import defaults
-    return defaults().optim
+def test_config_rules_sequence_parallel_and_kv_replication():
+    config = defaults()
+    config.sharding.rules.embed = "fsdp,data"
+    config.sharding.sequence_parallel = True
+    config.model.update(num_heads=8, num_kv_heads=2)
+    rules, notes = rules_from_config(config, {"data": 1, "pipeline": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 4})
+    assert rules["embed"] == ("fsdp", "data") and rules["length"] == ("sequence", "tensor")
+    assert "tensor" not in rules["kv_heads"] and "replicated" in notes[0]
+
+
+MODEL = ModelSpec(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, vocab_size=256)
+LAYOUTS = {
+    "data8": dict(data=8),
+    "fsdp8": dict(fsdp=8),
+    "data2_tensor4": dict(data=2, tensor=4),
+    "zero1_data8": dict(data=8, zero_stage=1),
+    "zero3_data8": dict(data=8, zero_stage=3),
+}
+# Expected specs of a few parameters (and their Adam moments) under each layout.
+EXPECTED = {
+    "data8": {"wq": P(), "w_down": P(), "embed": P(), "mu_wq": P()},
+    "fsdp8": {"wq": P(None, "fsdp"), "w_down": P(None, None, "fsdp"), "embed": P(None, "fsdp"),
+              "mu_wq": P(None, "fsdp")},
+    "data2_tensor4": {"wq": P(None, None, "tensor"), "w_down": P(None, "tensor"), "embed": P("tensor"),
+                      "mu_wq": P(None, None, "tensor")},
+    "zero1_data8": {"wq": P(), "w_down": P(), "embed": P(), "mu_wq": P(None, "data")},
+    "zero3_data8": {"wq": P(None, "data"), "w_down": P(None, "data"), "embed": P("data"), "mu_wq": P(None, "data")},
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_state_partition_specs(name):
+    layout = make_layout(**LAYOUTS[name])
+    tx, _ = make_optimizer(defaults().optim, 10)
+    shardings = state_lib.shardings(LanguageModel(MODEL), tx, layout)
+    params, adam = shardings.params, shardings.opt_state[1][0]
+    got = {"wq": params["layers"]["attn"]["wq"].spec, "w_down": params["layers"]["mlp"]["w_down"].spec,
+           "embed": params["embed"].spec, "mu_wq": adam.mu["layers"]["attn"]["wq"].spec}
+    assert got == EXPECTED[name]
+    # every Adam moment has exactly its parameter's spec from ZeRO stage 1 (or 0) on
+    moments = state_lib.param_specs(LanguageModel(MODEL), layout, layout.zero_stage >= 1)
+    for moment in (adam.mu, adam.nu):
+        jax.tree.map(lambda s, spec: assert_spec(s.spec, spec), moment, moments, is_leaf=lambda x: isinstance(x, P))
+    assert shardings.step.spec == P() and shardings.rng.spec == P()
+
+
+def assert_spec(actual, expected):
+    assert actual == expected, (actual, expected)
+
+
+def test_state_is_created_sharded():
+    layout = make_layout(fsdp=8)
+    tx, _ = make_optimizer(defaults().optim, 10)
+    state, _ = state_lib.init(LanguageModel(MODEL), tx, 0, layout)
+    wq = state.params["layers"]["attn"]["wq"]
+    assert wq.sharding.spec == P(None, "fsdp") and wq.addressable_shards[0].data.shape == (2, 8, 4, 16)

@@ -6,15 +6,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
+from conftest import make_layout
 from jaxscale import state as state_lib
-from jaxscale.mesh import make_mesh
+from jaxscale.config import defaults
 from jaxscale.models import LanguageModel, ModelSpec
 from jaxscale.optim import make_optimizer
-from jaxscale.sharding import batch_sharding
+from jaxscale.sharding import Layout, rules_from_config
 from jaxscale.step import compute_dtype, jit_train_step
 
-SPEC = ModelSpec(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128)
+SPEC = ModelSpec(num_layers=2, d_model=64, num_heads=8, num_kv_heads=4, d_ff=128)
 
 
 def _batch(rows=32, length=32, seed=0):
@@ -22,15 +24,22 @@ def _batch(rows=32, length=32, seed=0):
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-def _run(devices, accum, optim_cfg, steps=2, rows=32, vary=True, dtype=jnp.float32):
-    """(metrics per step, final params) of `steps` updates on a data mesh of `devices`."""
-    mesh = make_mesh({"data": devices, "pipeline": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1},
-                     jax.devices()[:devices])
-    model = LanguageModel(SPEC)
+def _layout(devices=None, zero_stage=0, sequence_parallel=False, spec=SPEC, **sizes):
+    config = defaults()
+    config.sharding.sequence_parallel = sequence_parallel
+    config.model.num_kv_heads = spec.num_kv_heads
+    mesh = make_layout(devices, **sizes).mesh
+    rules, _ = rules_from_config(config, dict(mesh.shape))
+    return Layout.of(mesh, rules, zero_stage)
+
+
+def _run(layout, accum, optim_cfg, steps=2, rows=32, vary=True, dtype=jnp.float32, spec=SPEC):
+    """(metrics per step, final params, step fn, state, last batch) of `steps` updates."""
+    model = LanguageModel(spec)
     tx, schedule = make_optimizer(optim_cfg, 10)
-    state, shardings = state_lib.init(model, tx, 0, mesh)
-    shd = batch_sharding(mesh)
-    step = jit_train_step(model, tx, schedule, dtype, accum, shardings, shd)
+    state, shardings = state_lib.init(model, tx, 0, layout)
+    shd = layout.batch_sharding()
+    step = jit_train_step(model, tx, schedule, dtype, accum, layout, shardings, state_lib.grad_shardings(model, layout))
     history = []
     for i in range(steps):
         batch = jax.device_put(_batch(rows, seed=i if vary else 0), shd)
@@ -47,28 +56,51 @@ def optim_cfg():
 
 @pytest.fixture(scope="module")
 def reference(optim_cfg):
-    return _run(1, 1, optim_cfg)
+    return _run(_layout(1), 1, optim_cfg, steps=3)
 
 
-def _assert_same(a, b, rtol):
+def _assert_same(a, b, rtol, params=True):
+    assert len(a[0]) == len(b[0])
     for ma, mb in zip(a[0], b[0]):
         for key in ("loss", "grad_norm"):
             np.testing.assert_allclose(ma[key], mb[key], rtol=rtol)
     # Adam divides by sqrt(v): parameters agree to a fraction of one update (lr = 3e-4).
-    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=1e-5), a[1], b[1])
+    if params:
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=1e-5), a[1], b[1])
 
 
-def test_eight_devices_equal_one(reference, optim_cfg):
-    _assert_same(_run(8, 1, optim_cfg), reference, rtol=1e-5)
+LAYOUTS = {
+    "data8": dict(data=8),
+    "fsdp8": dict(fsdp=8),
+    "data2_fsdp4": dict(data=2, fsdp=4),
+    "data2_tensor4": dict(data=2, tensor=4),
+    "fsdp2_tensor4_sp": dict(fsdp=2, tensor=4, sequence_parallel=True),
+    "data2_fsdp2_tensor2_zero1": dict(data=2, fsdp=2, tensor=2, zero_stage=1),
+    **{f"zero{z}_data8": dict(data=8, zero_stage=z) for z in range(4)},
+}
 
 
-@pytest.mark.parametrize("devices", [1, 2, 8])
-def test_accumulation_equals_one_big_batch(reference, optim_cfg, devices):
-    _assert_same(_run(devices, 4, optim_cfg), reference, rtol=1e-5)
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_every_layout_equals_one_device(reference, optim_cfg, name):
+    """Loss and grad norm over 3 steps equal the 1-device run (fp32, 1e-5 relative)."""
+    _assert_same(_run(_layout(**LAYOUTS[name]), 1, optim_cfg, steps=3), reference, rtol=1e-5)
+
+
+def test_kv_heads_fewer_than_tensor_are_replicated(optim_cfg):
+    spec = ModelSpec(num_layers=2, d_model=64, num_heads=8, num_kv_heads=2, d_ff=128)
+    one = _run(_layout(1, spec=spec), 1, optim_cfg, spec=spec)
+    layout = _layout(tensor=4, spec=spec)
+    assert layout.spec(("embed", "kv_heads", "head_dim")) == P() and layout.spec(("embed", "heads")) == P(None, "tensor")
+    _assert_same(_run(layout, 1, optim_cfg, spec=spec), one, rtol=1e-5)
+
+
+@pytest.mark.parametrize("devices, zero_stage", [(1, 0), (2, 0), (8, 0), (8, 3)])
+def test_accumulation_equals_one_big_batch(reference, optim_cfg, devices, zero_stage):
+    _assert_same(_run(_layout(devices, data=devices, zero_stage=zero_stage), 4, optim_cfg, steps=3), reference, rtol=1e-5)
 
 
 def test_accumulation_reduces_gradients_once_per_step(optim_cfg):
-    *_, step, state, batch = _run(8, 4, optim_cfg, steps=1)
+    *_, step, state, batch = _run(_layout(data=8), 4, optim_cfg, steps=1)
     hlo = step.lower(state, batch).compile().as_text()
     reductions = re.findall(r"all-reduce\(.*", hlo)
     assert reductions, "expected a gradient all-reduce"
@@ -80,14 +112,14 @@ def test_accumulation_reduces_gradients_once_per_step(optim_cfg):
 def test_loss_falls_and_lr_warms_up(optim_cfg):
     fast = optim_cfg.copy_and_resolve_references()
     fast.update(lr=1e-2, warmup_steps=5)
-    history, *_ = _run(2, 1, fast, steps=12, rows=8, vary=False)  # memorise one batch
+    history, *_ = _run(_layout(data=2), 1, fast, steps=12, rows=8, vary=False)  # memorise one batch
     assert history[-1]["loss"] < history[0]["loss"] - 0.3
     assert 0 < history[0]["lr"] < history[5]["lr"]
     assert int(history[0]["tokens"]) == 8 * 32
 
 
 def test_bfloat16_compute_keeps_float32_master_weights(reference, optim_cfg):
-    history, params, *_ = _run(8, 1, optim_cfg, dtype=jnp.bfloat16)
+    history, params, *_ = _run(_layout(data=8), 1, optim_cfg, dtype=jnp.bfloat16)
     assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(params))
     np.testing.assert_allclose(history[0]["loss"], reference[0][0]["loss"], rtol=1e-2)
     assert history[0]["loss"].dtype == np.float32
@@ -101,16 +133,15 @@ def test_compute_dtype():
 
 def test_remat_policies_trade_compiled_memory(optim_cfg):
     """Temp bytes from compiled.memory_analysis(): none > dots_saveable > full."""
-    mesh = make_mesh({"data": 1, "pipeline": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1},
-                     jax.devices()[:1])
-    shd = batch_sharding(mesh)
-    tokens = jax.ShapeDtypeStruct((8, 256), jnp.int32, sharding=shd)
+    layout = _layout(1)
+    tokens = jax.ShapeDtypeStruct((8, 256), jnp.int32, sharding=layout.batch_sharding())
     temp = {}
     for remat in ("none", "dots_saveable", "full"):
         model = LanguageModel(ModelSpec(num_layers=4, d_model=64, num_heads=4, num_kv_heads=4, d_ff=256, remat=remat))
         tx, schedule = make_optimizer(optim_cfg, 10)
-        state = state_lib.abstract(model, tx, mesh)
-        step = jit_train_step(model, tx, schedule, jnp.float32, 1, state_lib.shardings(model, tx, mesh), shd)
+        state = state_lib.abstract(model, tx, layout)
+        step = jit_train_step(model, tx, schedule, jnp.float32, 1, layout, state_lib.shardings(model, tx, layout),
+                              state_lib.grad_shardings(model, layout))
         compiled = step.lower(state, {"inputs": tokens, "targets": tokens}).compile()
         temp[remat] = compiled.memory_analysis().temp_size_in_bytes
     assert temp["none"] > 1.5 * temp["dots_saveable"] and temp["dots_saveable"] > 1.5 * temp["full"], temp

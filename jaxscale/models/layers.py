@@ -10,6 +10,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxscale.sharding import constrain
+
+# Logical names of activations (see jaxscale.sharding): the residual stream, and the inside of
+# tensor-parallel regions.
+RESIDUAL = ("batch", "length", "act_embed")
+INNER = ("batch", "act_length", "act_embed")
+
 # Metadata key holding a parameter's logical axis names (mapped to mesh axes by jaxscale.sharding).
 AXES_KEY = "axes"
 
@@ -82,18 +89,20 @@ class Attention(nnx.Module):
             self.bias_v = zeros((K, E), ("kv_heads", "head_dim"))
             self.bias_o = zeros((D,), ("embed",))
 
-    def _project(self, x_BLD, w, bias_name):
+    def _project(self, x_BLD, w, bias_name, heads_axis):
         y = jnp.einsum("BLD,DHE->BLHE", x_BLD, w[...])
-        return y + getattr(self, bias_name)[...] if hasattr(self, bias_name) else y
+        y = y + getattr(self, bias_name)[...] if hasattr(self, bias_name) else y
+        return constrain(y, ("batch", "act_length", heads_axis, "head_dim"))
 
     def __call__(self, x_BLD, positions_BL):
-        q_BLHE = self._project(x_BLD, self.wq, "bias_q")
-        k_BLKE = self._project(x_BLD, self.wk, "bias_k")
-        v_BLKE = self._project(x_BLD, self.wv, "bias_v")
+        q_BLHE = self._project(x_BLD, self.wq, "bias_q", "act_heads")
+        k_BLKE = self._project(x_BLD, self.wk, "bias_k", "act_kv_heads")
+        v_BLKE = self._project(x_BLD, self.wv, "bias_v", "act_kv_heads")
         if self.use_rope:
             q_BLHE = rope(q_BLHE, positions_BL, self.theta)
             k_BLKE = rope(k_BLKE, positions_BL, self.theta)
         out_BLHE = jax.nn.dot_product_attention(q_BLHE, k_BLKE, v_BLKE, is_causal=True, implementation="xla")
+        out_BLHE = constrain(out_BLHE, ("batch", "act_length", "act_heads", "head_dim"))
         out_BLD = jnp.einsum("BLHE,HED->BLD", out_BLHE, self.wo[...])
         return out_BLD + self.bias_o[...] if hasattr(self, "bias_o") else out_BLD
 
@@ -107,7 +116,7 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x_BLD):
         h_BLF = jax.nn.silu(x_BLD @ self.w_gate[...]) * (x_BLD @ self.w_up[...])
-        return h_BLF @ self.w_down[...]
+        return constrain(h_BLF, ("batch", "act_length", "act_mlp")) @ self.w_down[...]
 
 
 class GeluMLP(nnx.Module):
@@ -120,4 +129,4 @@ class GeluMLP(nnx.Module):
 
     def __call__(self, x_BLD):
         h_BLF = jax.nn.gelu(x_BLD @ self.w_in[...] + self.bias_in[...], approximate=True)
-        return h_BLF @ self.w_out[...] + self.bias_out[...]
+        return constrain(h_BLF, ("batch", "act_length", "act_mlp")) @ self.w_out[...] + self.bias_out[...]

@@ -12,8 +12,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale.models.layers import (AXES_KEY, Attention, GeluMLP, LayerNorm, RMSNorm, SwiGLU,
-                                    normal)
+from jaxscale.models.layers import (AXES_KEY, INNER, RESIDUAL, Attention, GeluMLP, LayerNorm, RMSNorm,
+                                    SwiGLU, normal)
+from jaxscale.sharding import constrain
 
 REMAT_POLICIES = {
     "full": None,  # save nothing inside a layer: recompute it all in the backward pass
@@ -58,8 +59,10 @@ class Block(nnx.Module):
         self.mlp = SwiGLU(spec, rngs) if spec.family == "llama" else GeluMLP(spec, rngs)
 
     def __call__(self, x_BLD, positions_BL):
-        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), positions_BL)
-        return x_BLD + self.mlp(self.mlp_norm(x_BLD))
+        # Norms run on the residual layout (split along length in sequence-parallel mode); their
+        # outputs are gathered to the tensor-parallel layout that attention and the MLP need.
+        x_BLD = constrain(x_BLD + self.attn(constrain(self.attn_norm(x_BLD), INNER), positions_BL), RESIDUAL)
+        return constrain(x_BLD + self.mlp(constrain(self.mlp_norm(x_BLD), INNER)), RESIDUAL)
 
 
 class Transformer(nnx.Module):
@@ -77,9 +80,11 @@ class Transformer(nnx.Module):
         x_BLD = jnp.take(self.embed[...], tokens_BL, axis=0)
         if self.spec.family == "gpt2":
             x_BLD = x_BLD + jnp.take(self.pos_embed[...], positions_BL, axis=0)
-        x_BLD = self.final_norm(self._scan_layers(x_BLD, positions_BL))
+        x_BLD = constrain(x_BLD, RESIDUAL)
+        x_BLD = constrain(self.final_norm(self._scan_layers(x_BLD, positions_BL)), INNER)
         w_DV = self.embed[...].T if self.spec.tie_embeddings else self.head[...]
-        return jnp.einsum("BLD,DV->BLV", x_BLD, w_DV, preferred_element_type=jnp.float32)
+        logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, w_DV, preferred_element_type=jnp.float32)
+        return constrain(logits_BLV, ("batch", "act_length", "act_vocab"))
 
     def _scan_layers(self, x_BLD, positions_BL):
         graphdef, stacked = nnx.split(self.layers)
@@ -117,6 +122,7 @@ class LanguageModel:
         self.graphdef, state = nnx.split(abstract)
         flat = nnx.to_flat_state(state)
         self.axes = _unflatten({path: _axes_of(path, v) for path, v in flat})
+        self.shapes = nnx.to_pure_dict(state)  # ShapeDtypeStructs of every parameter
 
     def init(self, key) -> dict:
         """float32 parameters from a PRNG key; the values do not depend on the device count."""
