@@ -5,7 +5,7 @@ import pytest
 from conftest import ROOT, run_cli
 from jaxscale import config as config_lib
 from jaxscale.errors import ConfigError
-from jaxscale.train import parse_args
+from jaxscale.cli import parse_flags
 
 
 def _error(overrides, devices=8, config=None):
@@ -77,10 +77,14 @@ def test_unknown_key_in_config_file():
     assert error.field == "train.warmup"
 
 
-def test_parse_args():
-    assert parse_args(["--config=c.py", "--config.train.steps=5", "--workdir=w"]) == ("c.py", ["train.steps=5"], "w")
+def test_parse_flags():
+    extra = {"workdir": str, "json": bool, "device_memory_gb": float}
+    assert parse_flags(["--config=c.py", "--config.train.steps=5", "--workdir=w", "--json", "--device_memory_gb=80"],
+                       "usage", extra) == ("c.py", ["train.steps=5"], {"workdir": "w", "json": True, "device_memory_gb": 80.0})
     with pytest.raises(ConfigError, match="--bogus"):
-        parse_args(["--config=c.py", "--bogus=1"])
+        parse_flags(["--config=c.py", "--bogus=1"], "usage", extra)
+    with pytest.raises(ConfigError, match="expected float"):
+        parse_flags(["--config=c.py", "--device_memory_gb=lots"], "usage", extra)
 
 
 @pytest.mark.parametrize("flag, field", [("--config.train.stepz=5", "train.stepz"), ("--config.mesh.data=3", "mesh.data"),

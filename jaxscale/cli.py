@@ -1,0 +1,66 @@
+"""What every jaxscale command line shares: absl-style config flags and exit codes.
+
+Exit codes: 0 done, 2 bad input (one line on stderr), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+from jaxscale.errors import ConfigError
+
+
+def parse_flags(argv: list[str], usage: str, extra: dict[str, type]) -> tuple[str, list[str], dict]:
+    """(config path, overrides 'a.b=v', {extra flag: value}); a bare --flag means True."""
+    path, overrides, values = None, [], {}
+    for arg in argv:
+        name, sep, value = arg.partition("=")
+        if name == "--config":
+            path = value
+        elif name.startswith("--config."):
+            overrides.append(arg[len("--config."):])
+        elif name[2:] in extra:
+            values[name[2:]] = _convert(name, value if sep else "true", extra[name[2:]])
+        else:
+            raise ConfigError(name, value, f"unknown flag; {usage}")
+    if not path:
+        raise ConfigError("--config", "", f"missing; {usage}")
+    return path, overrides, values
+
+
+def _convert(name: str, text: str, kind: type):
+    if kind is bool:
+        if text.lower() in ("true", "1", "false", "0"):
+            return text.lower() in ("true", "1")
+    else:
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    raise ConfigError(name, text, f"expected {kind.__name__}")
+
+
+def load_config(path: str, overrides: list[str]):
+    """The config file's get_config() with overrides applied."""
+    from jaxscale import config as config_lib
+
+    config = config_lib.load(path)
+    config_lib.apply_overrides(config, overrides)
+    return config
+
+
+def main(command: Callable[[object, str, dict], None], usage: str, extra: dict[str, type],
+         argv: list[str] | None = None) -> int:
+    """Parse flags, load the config, run `command(config, path, flags)`; bad input exits 2."""
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in argv):
+        print(usage)
+        return 0
+    try:
+        path, overrides, flags = parse_flags(argv, usage, extra)
+        command(load_config(path, overrides), path, flags)
+    except ConfigError as error:
+        print(f"jaxscale: error: {error}", file=sys.stderr)
+        return 2
+    return 0

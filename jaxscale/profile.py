@@ -1,0 +1,279 @@
+"""Collective-communication statistics read from compiled XLA programs.
+
+Feed it ``jax.jit(f).lower(*args).compile().as_text()`` (the post-optimisation HLO
+module text) to learn how many collectives one call of the program executes and
+how many bytes they produce, per kind::
+
+    stats = collective_stats(compiled.as_text())
+    print(summarize(stats))
+
+Counting rules (the contract every function here follows):
+
+* Only computations reachable from the ENTRY computation count; ENTRY runs once.
+* A ``while`` body runs ``known_trip_count`` times (from the instruction's
+  backend_config) and its condition one time more. Without a known trip count
+  both count once and the loop is reported as unknown by `collective_stats_detail`.
+* ``calls=``, ``to_apply=``, ``branch_computations=``, ``true_computation=``,
+  ``false_computation=`` and ``called_computations=`` callees run once per run of
+  their caller. Every branch of a conditional is counted: an upper bound, since
+  the HLO text cannot say which branch is taken.
+* Async collectives count once, at their ``-start``; ``-done`` is skipped.
+* Bytes are those of the collective's result buffers on one device, summed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterator, Mapping
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+Stats = dict[str, dict[str, int]]
+
+# Quoted strings (metadata, backend_config JSON) and /*index=N*/ comments: both can
+# hold text that looks like shapes, opcodes or callee attributes.
+_STRING_OR_COMMENT = re.compile(r'"(?:[^"\\]|\\.)*"|/\*.*?\*/')
+_METADATA = re.compile(r'metadata=\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
+_HEADER = re.compile(r"(ENTRY\s+)?%?([^\s(){}]+)")
+_INSTRUCTION = re.compile(r"\s*(?:ROOT\s+)?%?[^\s=]+\s*=\s*")
+_OPCODE = re.compile(r"\s*([\w\-]+)\(")
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
+_TRIP_COUNT = re.compile(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"(\d+)')
+_CALLEE_ATTR = re.compile(
+    r"\b(calls|to_apply|body|condition|true_computation|false_computation"
+    r"|branch_computations|called_computations)=(\{[^}]*\}|%?[^\s,{}]+)")
+_CALLEE_NAME = re.compile(r"%?([^\s,{}%]+)")
+
+
+@dataclasses.dataclass
+class _Computation:
+    """One computation, per single execution of it."""
+
+    own: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # kind -> [count, bytes]
+    calls: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (callee, runs per run)
+    unknown_loops: int = 0
+
+    def add(self, kind: str, nbytes: int) -> None:
+        acc = self.own.setdefault(kind, [0, 0])
+        acc[0] += 1
+        acc[1] += nbytes
+
+
+def collective_stats(hlo_text: str) -> Stats:
+    """Per-call collective counts and result bytes of a compiled HLO module.
+
+    Returns ``{kind: {"count": int, "bytes": int}}`` for every kind in COLLECTIVES
+    (zeros included), following the module docstring's counting rules. Loops with
+    no known trip count count once; use `collective_stats_detail` to learn how many.
+    Raises ValueError when the text has no ENTRY computation or names an
+    undefined or recursive callee.
+    """
+    return collective_stats_detail(hlo_text)[0]
+
+
+def collective_stats_detail(hlo_text: str) -> tuple[Stats, int]:
+    """`collective_stats` plus the number of reachable while loops with no known trip count.
+
+    Each such loop was counted as running once, so a non-zero second value means
+    the first is a lower bound for what those loops contain.
+    """
+    computations, entry = _parse_module(hlo_text)
+    memo: dict[str, dict[str, list[int]]] = {}
+    totals = _totals(entry, computations, memo, set())
+    # memo holds exactly the computations reachable from ENTRY.
+    unknown = sum(computations[name].unknown_loops for name in memo)
+    stats = {kind: {"count": totals.get(kind, [0, 0])[0], "bytes": totals.get(kind, [0, 0])[1]}
+             for kind in COLLECTIVES}
+    return stats, unknown
+
+
+def summarize(stats: Mapping[str, Mapping[str, int]]) -> str:
+    """A plain-text table of `collective_stats` output: kind, count, MiB, and a total row."""
+    rows = [f"{'collective':<20}{'count':>10}{'MiB':>14}"]
+    total_count = total_bytes = 0
+    for kind, entry in stats.items():
+        rows.append(f"{kind:<20}{entry['count']:>10}{entry['bytes'] / 2**20:>14.3f}")
+        total_count += entry["count"]
+        total_bytes += entry["bytes"]
+    rows.append(f"{'total':<20}{total_count:>10}{total_bytes / 2**20:>14.3f}")
+    return "\n".join(rows)
+
+
+def _parse_module(hlo_text: str) -> tuple[dict[str, _Computation], str]:
+    """Split the module into computations; returns them by name and the ENTRY's name."""
+    computations: dict[str, _Computation] = {}
+    entry: str | None = None
+    current: _Computation | None = None
+    for line in hlo_text.splitlines():
+        if current is None:
+            header = _header(line)
+            if header is not None:
+                is_entry, name = header
+                current = computations[name] = _Computation()
+                entry = name if is_entry else entry
+        elif line.startswith("}"):
+            # "}" at column 0 closes it, possibly followed by `, execution_thread="..."`.
+            current = None
+        else:
+            _parse_instruction(line, current)
+    if entry is None:
+        raise ValueError("no ENTRY computation found in the HLO text")
+    return computations, entry
+
+
+def _header(line: str) -> tuple[bool, str] | None:
+    """(is_entry, name) when `line` opens a computation, else None."""
+    # Headers sit at column 0 and end in "{"; module-level lines (HloModule,
+    # FileNames, StackFrames...) never end in "{".
+    if not line or line[0].isspace() or not line.rstrip().endswith("{") or line.startswith("HloModule"):
+        return None
+    match = _HEADER.match(line)
+    return (bool(match.group(1)), match.group(2)) if match else None
+
+
+def _parse_instruction(line: str, computation: _Computation) -> None:
+    """Record `line`'s collective, or the computations it calls, into `computation`."""
+    code = _STRING_OR_COMMENT.sub(lambda m: '""' if m.group().startswith('"') else "", line)
+    head = _INSTRUCTION.match(code)
+    if head is None:
+        return
+    shape, rest = _split_shape(code, head.end())
+    op = _OPCODE.match(rest)
+    if op is None:
+        return
+    opcode = op.group(1)
+    kind = opcode.removesuffix("-start")
+    if kind in COLLECTIVES:
+        # Callees of a collective are reduction lambdas, or (for async wrappers)
+        # the same collective again: following them would double count.
+        computation.add(kind, _result_bytes(opcode, shape))
+        return
+    if opcode.endswith(("-done", "-update")):
+        return  # the matching -start already accounted for the work
+    trip = _trip_count(line) if opcode == "while" else None
+    if opcode == "while" and trip is None:
+        computation.unknown_loops += 1
+    computation.calls.extend(_callees(rest, trip))
+
+
+def _split_shape(code: str, start: int) -> tuple[str, str]:
+    """(result shape, text after it) for an instruction whose shape begins at `start`."""
+    if code[start:start + 1] != "(":
+        end = start
+        while end < len(code) and not code[end].isspace():
+            end += 1
+        return code[start:end], code[end:]
+    depth = 0
+    for i in range(start, len(code)):
+        depth += {"(": 1, ")": -1}.get(code[i], 0)
+        if depth == 0:
+            return code[start:i + 1], code[i + 1:]
+    raise ValueError(f"unbalanced tuple shape in HLO line: {code.strip()[:200]}")
+
+
+def _trip_count(line: str) -> int | None:
+    """known_trip_count of a while instruction, or None when XLA could not prove one."""
+    # Drop metadata first: an op_name string could mention known_trip_count.
+    match = _TRIP_COUNT.search(_METADATA.sub("", line))
+    return int(match.group(1)) if match else None
+
+
+def _callees(attributes: str, trip: int | None) -> Iterator[tuple[str, int]]:
+    """(computation, runs per run of the caller) for each callee named in `attributes`."""
+    for attr, value in _CALLEE_ATTR.findall(attributes):
+        runs = 1
+        if attr == "body" and trip is not None:
+            runs = trip
+        elif attr == "condition" and trip is not None:
+            runs = trip + 1  # the condition is evaluated once more, to exit
+        for name in _CALLEE_NAME.findall(value):
+            yield name, runs
+
+
+def _result_bytes(opcode: str, shape: str) -> int:
+    """Bytes of a collective's result; for -start ops, of the output part only."""
+    if opcode.endswith("-start") and opcode != "all-reduce-start":
+        # all-reduce-start's shape is its result; the other -start shapes are
+        # (operand(s), output(s), [context...]) and would double the bytes.
+        shape = _output_part(opcode, shape)
+    return sum(_array_bytes(dtype, dims) for dtype, dims in _ARRAY.findall(shape))
+
+
+def _output_part(opcode: str, shape: str) -> str:
+    """The output element of a -start tuple shape: element 1, or for a flat
+    all-gather-start tuple (operands..., results...) its second half."""
+    parts = _tuple_elements(shape)
+    if len(parts) < 2:
+        return shape
+    if opcode == "all-gather-start" and len(parts) > 2:
+        return ", ".join(parts[len(parts) // 2:])
+    return parts[1]
+
+
+def _tuple_elements(shape: str) -> list[str]:
+    """Top-level elements of a tuple shape "(a, (b, c))" -> ["a", "(b, c)"]; [shape] for arrays."""
+    shape = shape.strip()
+    if not shape.startswith("("):
+        return [shape]
+    parts, depth, start = [], 0, 1
+    for i, char in enumerate(shape[1:-1], start=1):
+        depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(shape[start:i].strip())
+            start = i + 1
+    parts.append(shape[start:-1].strip())
+    return [part for part in parts if part]
+
+
+def _array_bytes(dtype: str, dims: str) -> int:
+    """Bytes of one array shape such as f32[4,16]; token[] (no data) is 0."""
+    if dtype == "token":
+        return 0
+    elements = math.prod(_dimension(d) for d in dims.split(",") if d.strip())
+    return (elements * _element_bits(dtype) + 7) // 8
+
+
+def _dimension(text: str) -> int:
+    """One dimension; a bounded dynamic dimension "<=8" counts at its bound."""
+    text = text.strip().removeprefix("<=")
+    if not text.isdigit():
+        raise ValueError(f"cannot size dimension {text!r}: unbounded dynamic shapes have no byte size")
+    return int(text)
+
+
+def _element_bits(dtype: str) -> int:
+    """Bits per element: pred is a byte; other XLA types carry their width in the
+    name (s8, bf16, f32, c64, c128, f8e4m3fn, s4...)."""
+    if dtype == "pred":
+        return 8
+    match = re.match(r"[a-z]+?(\d+)", dtype)
+    if match is None:
+        raise ValueError(f"unknown XLA element type {dtype!r}")
+    return int(match.group(1))
+
+
+def _totals(name: str, computations: dict[str, _Computation],
+            memo: dict[str, dict[str, list[int]]], active: set[str]) -> dict[str, list[int]]:
+    """{kind: [count, bytes]} for one run of computation `name`, callees included.
+
+    Memoised per computation: a callee shared by several call sites is parsed once
+    but counted at every site.
+    """
+    if name in memo:
+        return memo[name]
+    if name in active:
+        raise ValueError(f"computation {name!r} calls itself; HLO call graphs must be acyclic")
+    if name not in computations:
+        raise ValueError(f"computation {name!r} is called but not defined in the HLO text")
+    active.add(name)
+    total = {kind: list(acc) for kind, acc in computations[name].own.items()}
+    for callee, runs in computations[name].calls:
+        for kind, (count, nbytes) in _totals(callee, computations, memo, active).items():
+            acc = total.setdefault(kind, [0, 0])
+            acc[0] += runs * count
+            acc[1] += runs * nbytes
+    active.discard(name)
+    memo[name] = total
+    return total
