@@ -33,7 +33,8 @@ def resolve_shape(mesh_cfg, device_count: int, field: str = "mesh") -> dict[str,
     fixed = math.prod(size for size in sizes.values() if size != -1)
     if free:
         if device_count % fixed:
-            raise ConfigError(f"{field}.{free[0]}", -1, f"the other axes multiply to {fixed}, which does not divide {device_count} devices")
+            others = " x ".join(f"{field}.{a}={n}" for a, n in sizes.items() if n > 1)
+            raise ConfigError(f"{field}.{free[0]}", -1, f"the other axes ({others}) multiply to {fixed}, which does not divide {device_count} devices; change them")
         sizes[free[0]] = device_count // fixed
     elif fixed != device_count:
         shown = "x".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all 1"

@@ -71,10 +71,14 @@ class Layout:
     def rules(self) -> Mapping[str, tuple[str, ...]]:
         return dict(self.rule_items)
 
-    def spec(self, names: tuple[str, ...], where: str = "") -> P:
-        """PartitionSpec for dimensions with these logical names; each mesh axis used at most once."""
+    def spec(self, names: tuple[str | None, ...], where: str = "") -> P:
+        """PartitionSpec for dimensions with these logical names (None: not split); each mesh
+        axis used at most once."""
         rules, used, entries = self.rules, set(), []
         for name in names:
+            if name is None:  # explicitly unsplit
+                entries.append(None)
+                continue
             if name not in rules:
                 raise ValueError(f"{where or 'array'}: logical axis '{name}' matches no sharding rule; "
                                  f"add --config.sharding.rules.{name}=AXES (known: {', '.join(sorted(rules))})")

@@ -38,12 +38,12 @@ def make_layout(devices: int | None = None, zero_stage: int = 0, **sizes):
     return Layout.of(make_mesh(axes, jax.devices()[:count]), zero_stage=zero_stage)
 
 
-def run_cli(args, devices: int = 8, cwd=ROOT, timeout: int = 300):
-    """Run `python -m jaxscale.train ARGS` in a fresh process with `devices` fake CPU devices."""
+def run_cli(args, devices: int = 8, cwd=ROOT, timeout: int = 300, module: str = "jaxscale.train"):
+    """Run `python -m MODULE ARGS` in a fresh process with `devices` fake CPU devices."""
     import subprocess
 
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", "jaxscale.train", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

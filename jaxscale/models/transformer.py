@@ -77,7 +77,9 @@ class Transformer(nnx.Module):
             self.head = normal(rngs, (spec.d_model, spec.vocab_size), ("embed", "vocab"), spec.init_std)
 
     def __call__(self, tokens_BL, positions_BL):
-        x_BLD = jnp.take(self.embed[...], tokens_BL, axis=0)
+        # A split table cannot serve a row lookup without resharding the result through one
+        # device: gather the (compute-dtype) table whole first, as FSDP gathers any weight.
+        x_BLD = jnp.take(constrain(self.embed[...], (None, None)), tokens_BL, axis=0)
         if self.spec.family == "gpt2":
             x_BLD = x_BLD + jnp.take(self.pos_embed[...], positions_BL, axis=0)
         x_BLD = constrain(x_BLD, RESIDUAL)

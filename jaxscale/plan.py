@@ -1,0 +1,151 @@
+"""CLI: python -m jaxscale.plan --config=PATH [--config.a.b=v ...] [--json] [--device_memory_gb=80] [--platform=gpu]
+
+Compiles the real train step ahead of time for the configured mesh, allocating nothing (on fake
+CPU devices when the target hardware is absent: XLA_FLAGS=--xla_force_host_platform_device_count=N),
+and reports per device: parameter, gradient, optimizer and temporary bytes from the compiled
+program beside the arithmetic for the layout and ZeRO stage, and the collectives per step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxscale import cli
+from jaxscale import config as config_lib
+from jaxscale import profile
+from jaxscale import state as state_lib
+from jaxscale.mesh import granule_count
+from jaxscale.models import LanguageModel, ModelSpec
+from jaxscale.optim import make_optimizer
+from jaxscale.sharding import Layout, layout_from_config
+from jaxscale.step import compute_dtype, jit_train_step
+
+USAGE = ("usage: python -m jaxscale.plan --config=PATH [--config.section.key=value ...] [--json] "
+         "[--device_memory_gb=GB] [--platform=cpu|gpu|tpu]")
+GIB = 2**30
+
+
+def shard_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs/arrays (the first device's shard)."""
+    def one(x):
+        return math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+    return sum(one(x) for x in jax.tree.leaves(tree))
+
+
+def expected_bytes(n_params: int, layout: Layout) -> dict[str, float]:
+    """The arithmetic: params 4N, grads 4N, Adam 8N, each divided by the devices that split it.
+
+    `fsdp` and `tensor` split everything; ZeRO adds `data` for optimizer state (stage >= 1),
+    gradients (>= 2) and parameters (3).
+    """
+    shape, zero = layout.mesh.shape, layout.zero_stage
+    base = shape["fsdp"] * shape["tensor"]
+    split = {name: base * (shape["data"] if zero >= stage else 1) for name, stage in
+             (("params", 3), ("grads", 2), ("opt_state", 1))}
+    return {"params": 4 * n_params / split["params"], "grads": 4 * n_params / split["grads"],
+            "opt_state": 8 * n_params / split["opt_state"]}
+
+
+def compile_plan(config, platform: str):
+    """(compiled step, layout, abstract state, grad shardings, compile seconds) with no allocation."""
+    config_lib.validate(config, jax.device_count(), granule_count(jax.devices()))
+    layout, _ = layout_from_config(config)
+    model = LanguageModel(ModelSpec.from_config(config.model))
+    tx, schedule = make_optimizer(config.optim, config.train.steps)
+    state = state_lib.abstract(model, tx, layout)
+    grads = state_lib.grad_shardings(model, layout)
+    step = jit_train_step(model, tx, schedule, compute_dtype(config.model.dtype, platform),
+                          config.train.grad_accum_steps, layout, state_lib.shardings(model, tx, layout), grads)
+    t = config.train
+    tokens = jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len), jnp.int32, sharding=layout.batch_sharding())
+    start = time.perf_counter()
+    compiled = step.lower(state, {"inputs": tokens, "targets": tokens}).compile()
+    grad_tree = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), state.params, grads)
+    return compiled, layout, state, grad_tree, time.perf_counter() - start
+
+
+def make_plan(config, platform: str | None = None) -> dict:
+    """The plan as a JSON-ready dict (see the module docstring)."""
+    platform = platform or jax.default_backend()
+    compiled, layout, state, grads, compile_s = compile_plan(config, platform)
+    memory = compiled.memory_analysis()
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+    per_device = {"params": shard_bytes(state.params), "grads": shard_bytes(grads),
+                  "opt_state": shard_bytes(state.opt_state), "temp": memory.temp_size_in_bytes}
+    # Peak: live arguments + temporaries + outputs that do not reuse a donated input.
+    per_device["total"] = (memory.argument_size_in_bytes + memory.temp_size_in_bytes
+                           + memory.output_size_in_bytes - memory.alias_size_in_bytes)
+    return {"mesh": {k: v for k, v in layout.mesh.shape.items()}, "zero_stage": layout.zero_stage,
+            "platform": platform, "compute_dtype": str(compute_dtype(config.model.dtype, platform)),
+            "num_params": n_params, "compile_s": round(compile_s, 2), "per_device_bytes": per_device,
+            "argument_bytes": memory.argument_size_in_bytes,
+            "expected_bytes": expected_bytes(n_params, layout),
+            "collectives": profile.collective_stats(compiled.as_text())}
+
+
+def advice(plan: dict, config, limit_bytes: float) -> list[str]:
+    """Why it does not fit and what would help, biggest contributor first."""
+    parts = {k: v for k, v in plan["per_device_bytes"].items() if k != "total"}
+    order = sorted(parts, key=parts.get, reverse=True)
+    lines = [f"does not fit: {_size(plan['per_device_bytes']['total'])} per device > {_size(limit_bytes)}; "
+             f"biggest: " + ", ".join(f"{k} {_size(parts[k])}" for k in order[:3])]
+    help_for = {
+        "opt_state": f"raise zero_stage (now {config.zero_stage}) or mesh.fsdp to split optimizer state",
+        "params": "zero_stage=3 or a larger mesh.fsdp / mesh.tensor splits parameters",
+        "grads": "zero_stage>=2 or a larger mesh.fsdp splits gradients",
+        "temp": f"model.remat=full (now {config.model.remat}), a larger train.grad_accum_steps "
+                f"(now {config.train.grad_accum_steps}) or mesh.tensor with sharding.sequence_parallel=True shrink activations",
+    }
+    return lines + [f"  - {help_for[k]}" for k in order[:3]]
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def table(plan: dict) -> str:
+    """The human-readable report."""
+    mesh = " ".join(f"{k}={v}" for k, v in plan["mesh"].items() if v > 1) or "1 device"
+    rows = [f"plan: {plan['num_params'] / 1e6:,.1f}M params | mesh {mesh} | zero_stage={plan['zero_stage']} | "
+            f"compute {plan['compute_dtype']} on {plan['platform']} | compiled in {plan['compile_s']}s",
+            f"{'per device':<12}{'compiled':>14}{'arithmetic':>14}"]
+    for key in ("params", "grads", "opt_state", "temp", "total"):
+        expected = plan["expected_bytes"].get(key)
+        shown = "" if expected is None else f"{_size(expected):>14}"
+        rows.append(f"{key:<12}{_size(plan['per_device_bytes'][key]):>14}{shown}")
+    rows.append("collectives per step:\n" + profile.summarize(plan["collectives"]))
+    return "\n".join(rows)
+
+
+def _device_limit(flag: float | None) -> float | None:
+    if flag:
+        return flag * GIB
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit")
+
+
+def _plan(config, path: str, flags: dict) -> None:
+    result = make_plan(config, flags.get("platform"))
+    limit = _device_limit(flags.get("device_memory_gb"))
+    warnings = advice(result, config, limit) if limit and result["per_device_bytes"]["total"] > limit else []
+    result["warnings"] = warnings
+    print(json.dumps(result, indent=2) if flags.get("json") else table(result))
+    for line in warnings if not flags.get("json") else []:
+        print(line, file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(_plan, USAGE, {"json": bool, "device_memory_gb": float, "platform": str}, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

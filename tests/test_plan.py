@@ -1,0 +1,77 @@
+"""The planner: compiled memory per device against the arithmetic, and collectives per step."""
+
+import json
+
+import pytest
+
+from conftest import ROOT, run_cli
+from jaxscale import config as config_lib
+from jaxscale.plan import advice, make_plan
+
+BATCH_BYTES = 2 * 16 * 128 * 4  # inputs + targets, int32, tiny config (a whole copy at most)
+
+
+def _plan(*overrides):
+    config = config_lib.load(str(ROOT / "configs" / "tiny.py"))
+    config_lib.apply_overrides(config, ["mesh.data=1", *overrides])
+    return make_plan(config)
+
+
+@pytest.fixture(scope="module")
+def plans():
+    layouts = {
+        "data8": ["mesh.data=8"], "fsdp8": ["mesh.fsdp=8"], "zero1": ["mesh.data=8", "zero_stage=1"],
+        "zero2": ["mesh.data=8", "zero_stage=2"], "zero3": ["mesh.data=8", "zero_stage=3"],
+        "data2_fsdp4": ["mesh.data=2", "mesh.fsdp=4"],
+        "mixed": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "zero_stage=1"],
+    }
+    return {name: _plan(*o) for name, o in layouts.items()}
+
+
+def test_fsdp_splits_params_and_zero1_splits_only_optimizer_state(plans):
+    dp, fsdp, zero1 = (plans[k]["per_device_bytes"] for k in ("data8", "fsdp8", "zero1"))
+    assert fsdp["params"] == pytest.approx(dp["params"] / 8, rel=0.05)
+    assert fsdp["opt_state"] == pytest.approx(dp["opt_state"] / 8, rel=0.05)
+    assert zero1["opt_state"] == pytest.approx(dp["opt_state"] / 8, rel=0.05)
+    assert zero1["params"] == dp["params"]
+
+
+@pytest.mark.parametrize("name", ["data8", "fsdp8", "zero1", "zero2", "zero3", "data2_fsdp4", "mixed"])
+def test_compiled_state_bytes_match_the_arithmetic(plans, name):
+    plan = plans[name]
+    got, want = plan["per_device_bytes"], plan["expected_bytes"]
+    for key in ("params", "grads", "opt_state"):
+        assert got[key] == pytest.approx(want[key], rel=0.05), key
+    # memory_analysis: the program's arguments are the state (+ one batch, step and rng)
+    state = want["params"] + want["opt_state"]
+    assert state <= plan["argument_bytes"] <= 1.05 * state + BATCH_BYTES
+
+
+def test_zero_stages_move_collectives(plans):
+    dp, fsdp = plans["data8"]["collectives"], plans["fsdp8"]["collectives"]
+    assert dp["all-reduce"]["count"] > 0 and dp["all-gather"]["count"] == 0
+    assert fsdp["all-gather"]["count"] > 0  # parameters gathered before use
+    assert plans["zero3"]["collectives"]["all-gather"]["count"] > 0
+    assert set(dp) == {"all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all"}
+
+
+def test_advice_names_the_biggest_contributor(plans):
+    config = config_lib.load(str(ROOT / "configs" / "tiny.py"))
+    lines = advice(plans["data8"], config, limit_bytes=1024)
+    assert lines[0].startswith("does not fit") and "temp" in lines[0] and "model.remat" in lines[1]
+
+
+def test_cli_json_keys():
+    result = run_cli(["--config=configs/tiny.py", "--config.mesh.data=8", "--config.zero_stage=1", "--json"],
+                     module="jaxscale.plan")
+    assert result.returncode == 0, result.stderr[-2000:]
+    plan = json.loads(result.stdout)
+    for key in ("params", "grads", "opt_state", "temp", "total"):
+        assert plan["per_device_bytes"][key] > 0
+    assert set(plan["expected_bytes"]) == {"params", "grads", "opt_state"}
+    assert plan["collectives"]["all-reduce"]["bytes"] > 0 and plan["warnings"] == []
+
+
+def test_cli_bad_input_exits_2():
+    result = run_cli(["--config=configs/tiny.py", "--config.mesh.tensor=3"], module="jaxscale.plan")
+    assert result.returncode == 2 and "mesh.tensor=3" in result.stderr and len(result.stderr.splitlines()) == 1
