@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from conftest import ROOT
 from jaxscale import config as config_lib
@@ -24,25 +25,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(workdir, port):
+def _spawn(workdir, port, overrides):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     return [subprocess.Popen([sys.executable, str(ROOT / "tests" / "mp_worker.py"), str(port), str(i),
-                              str(workdir), json.dumps(OVERRIDES)],
+                              str(workdir), json.dumps(overrides)],
                              env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for i in range(2)]
 
 
-def test_two_processes_match_one(tmp_path):
-    procs = _spawn(tmp_path / "mp", _free_port())
+HYBRID = ["mesh_dcn.data=2", "mesh.data=1", "mesh.fsdp=4", "zero_stage=1"]  # data crosses hosts, fsdp stays inside
+
+
+@pytest.mark.parametrize("layout, single", [
+    ([], []),
+    (HYBRID, ["mesh.data=2", "mesh.fsdp=4", "zero_stage=1"]),
+], ids=["data", "hybrid_dcn"])
+def test_two_processes_match_one(tmp_path, layout, single):
+    procs = _spawn(tmp_path / "mp", _free_port(), OVERRIDES + layout)
     outputs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
     assert "process 0 reads rows 0:8" in outputs[0] and "process 1 reads rows 8:16" in outputs[1]
     multi = [json.loads(line) for line in (tmp_path / "mp" / "metrics.jsonl").read_text().splitlines()]
 
     config = config_lib.defaults()
-    config_lib.apply_overrides(config, OVERRIDES)
-    single = train(config, tmp_path / "single", show_progress=False)
-    assert [r["step"] for r in multi] == [r["step"] for r in single] == [1, 2, 3, 4, 5, 6]
-    for a, b in zip(multi, single):
+    config_lib.apply_overrides(config, OVERRIDES + single)
+    reference = train(config, tmp_path / "single", show_progress=False)
+    assert [r["step"] for r in multi] == [r["step"] for r in reference] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(multi, reference):
         np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
-    np.testing.assert_allclose(multi[-1]["val_loss"], single[-1]["val_loss"], rtol=1e-5)
+    np.testing.assert_allclose(multi[-1]["val_loss"], reference[-1]["val_loss"], rtol=1e-5)
+
+
+def test_dcn_multipliers_must_match_the_hosts():
+    config = config_lib.defaults()
+    config_lib.apply_overrides(config, HYBRID)
+    with pytest.raises(config_lib.ConfigError, match="1 hosts"):
+        config_lib.validate(config, 8, granules=1)
+    config_lib.validate(config, 8, granules=2)
