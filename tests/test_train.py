@@ -38,12 +38,25 @@ def test_cli_writes_metrics_and_loss_falls(cli_run):
     assert "step 50" in result.stdout
 
 
-def test_one_device_gives_same_first_loss(cli_run, tmp_path):
-    workdir, _ = cli_run
-    result = run_cli(["--config=configs/tiny.py", "--config.train.steps=1", f"--workdir={tmp_path}"], devices=1)
+@pytest.fixture(scope="module")
+def one_device_loss(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("cli1")
+    result = run_cli(["--config=configs/tiny.py", "--config.train.steps=1", f"--workdir={workdir}"], devices=1)
     assert result.returncode == 0, result.stderr[-3000:]
-    one, eight = _records(tmp_path)[0], _records(workdir)[0]
-    np.testing.assert_allclose(one["loss"], eight["loss"], rtol=1e-5)
+    return _records(workdir)[0]["loss"]
+
+
+def test_one_device_gives_same_first_loss(cli_run, one_device_loss):
+    workdir, _ = cli_run
+    np.testing.assert_allclose(_records(workdir)[0]["loss"], one_device_loss, rtol=1e-5)
+
+
+def test_mixed_layout_gives_same_first_loss(one_device_loss, tmp_path):
+    layout = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2", "--config.zero_stage=1"]
+    result = run_cli(["--config=configs/tiny.py", "--config.train.steps=1", f"--workdir={tmp_path}", *layout])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "mesh data=2 fsdp=2 tensor=2 zero_stage=1" in result.stdout
+    np.testing.assert_allclose(_records(tmp_path)[0]["loss"], one_device_loss, rtol=1e-5)
 
 
 def _text_file(path, size=1_000_000):
