@@ -18,7 +18,7 @@ def _error(overrides, devices=8, config=None):
 
 def test_defaults_and_shipped_configs_validate():
     config_lib.validate(config_lib.defaults(), 8)
-    for name in ("tiny", "gpt2_124m", "llama_1b"):
+    for name in ("tiny", "gpt2_124m", "llama_1b", "llama3_8b"):
         config = config_lib.load(str(ROOT / "configs" / f"{name}.py"))
         config_lib.validate(config, 8)
 

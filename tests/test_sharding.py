@@ -91,3 +91,26 @@ def test_state_is_created_sharded():
     state, _ = state_lib.init(LanguageModel(MODEL), tx, 0, layout)
     wq = state.params["layers"]["attn"]["wq"]
     assert wq.sharding.spec == P(None, "fsdp") and wq.addressable_shards[0].data.shape == (2, 8, 4, 16)
+
+
+def test_every_parameter_spec_fsdp2_tensor4_untied():
+    spec = ModelSpec(num_layers=2, d_model=64, num_heads=8, num_kv_heads=4, d_ff=128, vocab_size=256,
+                     tie_embeddings=False)
+    layout = make_layout(fsdp=2, tensor=4)
+    got = jax.tree_util.tree_flatten_with_path(
+        tree_specs(layout, LanguageModel(spec).axes), is_leaf=lambda x: isinstance(x, P))[0]
+    got = {jax.tree_util.keystr(path): s for path, s in got}
+    assert got == {
+        "['embed']": P("tensor", "fsdp"),                     # vocab x embed
+        "['head']": P("fsdp", "tensor"),                      # embed x vocab (column parallel logits)
+        "['final_norm']['scale']": P("fsdp"),
+        "['layers']['attn_norm']['scale']": P(None, "fsdp"),
+        "['layers']['mlp_norm']['scale']": P(None, "fsdp"),
+        "['layers']['attn']['wq']": P(None, "fsdp", "tensor"),  # column parallel over heads
+        "['layers']['attn']['wk']": P(None, "fsdp", "tensor"),
+        "['layers']['attn']['wv']": P(None, "fsdp", "tensor"),
+        "['layers']['attn']['wo']": P(None, "tensor", None, "fsdp"),  # row parallel
+        "['layers']['mlp']['w_gate']": P(None, "fsdp", "tensor"),
+        "['layers']['mlp']['w_up']": P(None, "fsdp", "tensor"),
+        "['layers']['mlp']['w_down']": P(None, "tensor", "fsdp"),
+    }
