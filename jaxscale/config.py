@@ -23,6 +23,8 @@ FAMILIES = ("llama", "gpt2")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
 DTYPES = ("auto", "float32", "bfloat16")
 SOURCES = ("auto", "embedded", "synthetic", "file")
+ATTENTION_IMPLS = ("xla", "cudnn", "auto")
+CONTEXT_PARALLEL = ("ring", "all_gather")
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -37,6 +39,10 @@ def defaults() -> ml_collections.ConfigDict:
         rope_theta=10000.0, norm_eps=1e-5, init_std=0.02,
         dtype="auto",          # compute dtype; auto = bfloat16 on GPU/TPU, float32 on CPU. Parameters stay float32.
         remat="none",          # none | full | dots_saveable: what the backward pass recomputes per layer
+        attention=dict(
+            impl="auto",               # xla | cudnn | auto (cudnn where it runs, else xla)
+            context_parallel="ring",   # ring | all_gather: attention when mesh.sequence > 1
+        ),
     )
     c.mesh = {axis: 1 for axis in AXES}
     c.mesh.data = -1           # -1: the devices the other axes leave
@@ -159,7 +165,10 @@ def _check_choices(c) -> None:
     for field, value, choices in (("model.family", c.model.family, FAMILIES),
                                   ("model.remat", c.model.remat, REMAT_POLICIES),
                                   ("model.dtype", c.model.dtype, DTYPES),
-                                  ("data.source", c.data.source, SOURCES)):
+                                  ("data.source", c.data.source, SOURCES),
+                                  ("model.attention.impl", c.model.attention.impl, ATTENTION_IMPLS),
+                                  ("model.attention.context_parallel", c.model.attention.context_parallel,
+                                   CONTEXT_PARALLEL)):
         _require(value in choices, field, value, f"choose one of {', '.join(choices)}")
 
 
@@ -214,8 +223,11 @@ def _check_parallelism(c, device_count: int, granules: int) -> None:
     _require(c.mesh_dcn.tensor == 1, "mesh_dcn.tensor", c.mesh_dcn.tensor,
              "tensor parallelism communicates in every layer; keep it inside a host (mesh_dcn.tensor=1)")
     sizes = axis_sizes(c, device_count, granules)
-    for axis in ("pipeline", "expert", "sequence"):
-        _require(sizes[axis] == 1, f"mesh.{axis}", sizes[axis], "is not supported yet (data, fsdp and tensor are); set it to 1")
+    for axis in ("pipeline", "expert"):
+        _require(sizes[axis] == 1, f"mesh.{axis}", sizes[axis], "is not supported yet (data, fsdp, sequence and tensor are); set it to 1")
+    chunks = 2 * sizes["sequence"]
+    _require(sizes["sequence"] == 1 or c.train.seq_len % chunks == 0, "train.seq_len", c.train.seq_len,
+             f"context parallelism lays the sequence out in {chunks} chunks (2 x mesh.sequence); use a multiple of {chunks}")
     _require(0 <= c.zero_stage <= 3, "zero_stage", c.zero_stage, "choose 0, 1, 2 or 3")
     _check_rules(c, rules_from_config(c, sizes)[0], sizes)
     shards = math.prod(sizes[axis] for axis in BATCH_AXES)

@@ -15,7 +15,7 @@ from jaxscale import metrics as metrics_lib
 from jaxscale import state as state_lib
 from jaxscale.data import Data, make_data
 from jaxscale.mesh import granule_count
-from jaxscale.models import LanguageModel, ModelSpec
+from jaxscale.models import LanguageModel, model_from_config
 from jaxscale.optim import make_optimizer
 from jaxscale.progress import ProgressDisplay
 from jaxscale.sharding import Layout, layout_from_config
@@ -48,7 +48,7 @@ def setup(config) -> Run:
     """Validate, then build mesh, model, data, sharded state and the jitted steps."""
     config_lib.validate(config, jax.device_count(), granule_count(jax.devices()))
     layout, notes = layout_from_config(config)
-    model = LanguageModel(ModelSpec.from_config(config.model))
+    model, model_notes = model_from_config(config, jax.default_backend())
     tx, schedule = make_optimizer(config.optim, config.train.steps)
     data = make_data(config, layout.batch_sharding())
     state, shardings = state_lib.init(model, tx, config.train.seed, layout)
@@ -56,7 +56,7 @@ def setup(config) -> Run:
     n = metrics_lib.non_embedding_params(state.params)
     step = jit_train_step(model, tx, schedule, dtype, config.train.grad_accum_steps, layout, shardings,
                           state_lib.grad_shardings(model, layout))
-    return Run(config=config, layout=layout, notes=notes, model=model, data=data, state=state,
+    return Run(config=config, layout=layout, notes=notes + model_notes, model=model, data=data, state=state,
                shardings=shardings, batch_sharding=layout.batch_sharding(), train_step=step,
                eval_step=jit_eval_step(model, dtype, layout, shardings.params),
                flops_per_token=metrics_lib.flops_per_token(model.spec, n, config.train.seq_len),

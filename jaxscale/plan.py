@@ -21,7 +21,7 @@ from jaxscale import config as config_lib
 from jaxscale import profile
 from jaxscale import state as state_lib
 from jaxscale.mesh import granule_count
-from jaxscale.models import LanguageModel, ModelSpec
+from jaxscale.models import model_from_config
 from jaxscale.optim import make_optimizer
 from jaxscale.sharding import Layout, layout_from_config
 from jaxscale.step import compute_dtype, jit_train_step
@@ -52,11 +52,12 @@ def expected_bytes(n_params: int, layout: Layout) -> dict[str, float]:
             "opt_state": 8 * n_params / split["opt_state"]}
 
 
-def compile_plan(config, platform: str):
+def compile_plan(config, platform: str, devices=None):
     """(compiled step, layout, abstract state, grad shardings, compile seconds) with no allocation."""
-    config_lib.validate(config, jax.device_count(), granule_count(jax.devices()))
-    layout, _ = layout_from_config(config)
-    model = LanguageModel(ModelSpec.from_config(config.model))
+    devices = list(devices or jax.devices())
+    config_lib.validate(config, len(devices), granule_count(devices))
+    layout, _ = layout_from_config(config, devices)
+    model, _ = model_from_config(config, platform)
     tx, schedule = make_optimizer(config.optim, config.train.steps)
     state = state_lib.abstract(model, tx, layout)
     grads = state_lib.grad_shardings(model, layout)
@@ -70,10 +71,10 @@ def compile_plan(config, platform: str):
     return compiled, layout, state, grad_tree, time.perf_counter() - start
 
 
-def make_plan(config, platform: str | None = None) -> dict:
-    """The plan as a JSON-ready dict (see the module docstring)."""
+def make_plan(config, platform: str | None = None, devices=None) -> dict:
+    """The plan as a JSON-ready dict (see the module docstring), over `devices` (default: all)."""
     platform = platform or jax.default_backend()
-    compiled, layout, state, grads, compile_s = compile_plan(config, platform)
+    compiled, layout, state, grads, compile_s = compile_plan(config, platform, devices)
     memory = compiled.memory_analysis()
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     per_device = {"params": shard_bytes(state.params), "grads": shard_bytes(grads),

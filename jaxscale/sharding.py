@@ -107,6 +107,11 @@ class Layout:
             _ACTIVE.reset(token)
 
 
+def active_layout() -> "Layout | None":
+    """The layout of the step being traced (inside Layout.activate()), or None."""
+    return _ACTIVE.get()
+
+
 def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
     """Sharding constraint on an activation by logical names; a no-op outside Layout.activate()."""
     layout = _ACTIVE.get()

@@ -10,26 +10,36 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxscale.models import LanguageModel
+from jaxscale.models.precision import compute_dtype  # noqa: F401  (re-exported for callers)
+from jaxscale.parallel.context import AXIS as SEQUENCE, zigzag_order
 from jaxscale.sharding import Layout
 from jaxscale.state import TrainState
 
 Batch = dict[str, jax.Array]  # {'inputs', 'targets'}: int32 [B, L]
 
 
-def compute_dtype(name: str, platform: str | None = None) -> jnp.dtype:
-    """'auto' means bfloat16 on GPU/TPU and float32 on CPU, where bf16 matmuls are slow."""
-    if name == "auto":
-        platform = platform or jax.default_backend()
-        return jnp.dtype(jnp.float32 if platform == "cpu" else jnp.bfloat16)
-    return jnp.dtype(name)
-
-
 def loss_fn(params: dict, batch: Batch, model: LanguageModel, dtype, layout: Layout) -> jax.Array:
     """Mean next-token cross entropy; the forward runs in `dtype`, the loss in float32."""
     cast = jax.tree.map(lambda p: p.astype(dtype), params)
+    inputs, targets, positions = _sequence_layout(batch, layout)
     with layout.activate():  # activations are placed by the layout's rules while tracing
-        logits_BLV = model.apply(cast, batch["inputs"])
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, batch["targets"]).mean()
+        logits_BLV = model.apply(cast, inputs, positions)
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets).mean()
+
+
+def _sequence_layout(batch: Batch, layout: Layout):
+    """(inputs, targets, positions): in zig-zag order when the sequence is split over devices.
+
+    Reordering tokens, targets and positions together leaves the model's function unchanged
+    (RoPE and the causal mask follow positions) and the mean loss identical.
+    """
+    inputs, targets = batch["inputs"], batch["targets"]
+    length, shards = inputs.shape[1], layout.mesh.shape[SEQUENCE]
+    if shards == 1:
+        return inputs, targets, None
+    order = zigzag_order(length, shards)
+    positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), inputs.shape)
+    return inputs[:, order], targets[:, order], positions
 
 
 def _microbatches(batch: Batch, count: int) -> Batch:

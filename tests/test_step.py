@@ -77,6 +77,9 @@ LAYOUTS = {
     "fsdp2_tensor4_sp": dict(fsdp=2, tensor=4, sequence_parallel=True),
     "data2_fsdp2_tensor2_zero1": dict(data=2, fsdp=2, tensor=2, zero_stage=1),
     **{f"zero{z}_data8": dict(data=8, zero_stage=z) for z in range(4)},
+    "sequence4": dict(sequence=4),
+    "data2_sequence2_tensor2": dict(data=2, sequence=2, tensor=2),
+    "fsdp2_sequence4_zero3": dict(data=1, fsdp=2, sequence=4, zero_stage=3),
 }
 
 
@@ -84,6 +87,12 @@ LAYOUTS = {
 def test_every_layout_equals_one_device(reference, optim_cfg, name):
     """Loss and grad norm over 3 steps equal the 1-device run (fp32, 1e-5 relative)."""
     _assert_same(_run(_layout(**LAYOUTS[name]), 1, optim_cfg, steps=3), reference, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["all_gather", "ring"])
+def test_context_parallel_modes_with_accumulation(reference, optim_cfg, mode):
+    spec = ModelSpec(**{**SPEC.__dict__, "context_parallel": mode})
+    _assert_same(_run(_layout(data=2, sequence=4), 2, optim_cfg, steps=3, spec=spec), reference, rtol=1e-5)
 
 
 def test_kv_heads_fewer_than_tensor_are_replicated(optim_cfg):

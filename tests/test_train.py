@@ -51,11 +51,16 @@ def test_one_device_gives_same_first_loss(cli_run, one_device_loss):
     np.testing.assert_allclose(_records(workdir)[0]["loss"], one_device_loss, rtol=1e-5)
 
 
-def test_mixed_layout_gives_same_first_loss(one_device_loss, tmp_path):
-    layout = ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2", "--config.zero_stage=1"]
+@pytest.mark.parametrize("layout, shown", [
+    (["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2", "--config.zero_stage=1"],
+     "mesh data=2 fsdp=2 tensor=2 zero_stage=1"),
+    (["--config.mesh.data=2", "--config.mesh.sequence=4"], "mesh data=2 sequence=4"),
+    (["--config.mesh.data=2", "--config.mesh.sequence=2", "--config.mesh.tensor=2"], "mesh data=2 sequence=2 tensor=2"),
+], ids=["data_fsdp_tensor_zero1", "sequence4", "data_sequence_tensor"])
+def test_mixed_layout_gives_same_first_loss(one_device_loss, tmp_path, layout, shown):
     result = run_cli(["--config=configs/tiny.py", "--config.train.steps=1", f"--workdir={tmp_path}", *layout])
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "mesh data=2 fsdp=2 tensor=2 zero_stage=1" in result.stdout
+    assert shown in result.stdout
     np.testing.assert_allclose(_records(tmp_path)[0]["loss"], one_device_loss, rtol=1e-5)
 
 

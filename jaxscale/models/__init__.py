@@ -1,5 +1,5 @@
 """Models: the decoder transformer and its building blocks."""
 
-from jaxscale.models.transformer import LanguageModel, ModelSpec
+from jaxscale.models.transformer import LanguageModel, ModelSpec, model_from_config
 
-__all__ = ["LanguageModel", "ModelSpec"]
+__all__ = ["LanguageModel", "ModelSpec", "model_from_config"]

@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale.sharding import constrain
+from jaxscale.models.attention import causal_attention
+from jaxscale.parallel import context
+from jaxscale.sharding import active_layout, constrain
 
 # Logical names of activations (see jaxscale.sharding): the residual stream, and the inside of
 # tensor-parallel regions.
@@ -83,6 +85,7 @@ class Attention(nnx.Module):
         self.wv = normal(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
         self.wo = normal(rngs, (H, E, D), ("heads", "head_dim", "embed"), out_std)
         self.use_rope, self.theta = cfg.family == "llama", cfg.rope_theta
+        self.impl, self.context_parallel = cfg.attention_impl, cfg.context_parallel
         if cfg.family == "gpt2":
             self.bias_q = zeros((H, E), ("heads", "head_dim"))
             self.bias_k = zeros((K, E), ("kv_heads", "head_dim"))
@@ -101,7 +104,11 @@ class Attention(nnx.Module):
         if self.use_rope:
             q_BLHE = rope(q_BLHE, positions_BL, self.theta)
             k_BLKE = rope(k_BLKE, positions_BL, self.theta)
-        out_BLHE = jax.nn.dot_product_attention(q_BLHE, k_BLKE, v_BLKE, is_causal=True, implementation="xla")
+        layout = active_layout()
+        if layout is not None and layout.mesh.shape[context.AXIS] > 1:
+            out_BLHE = context.attention(q_BLHE, k_BLKE, v_BLKE, positions_BL, layout.mesh, self.context_parallel)
+        else:
+            out_BLHE = causal_attention(q_BLHE, k_BLKE, v_BLKE, self.impl)
         out_BLHE = constrain(out_BLHE, ("batch", "act_length", "act_heads", "head_dim"))
         out_BLD = jnp.einsum("BLHE,HED->BLD", out_BLHE, self.wo[...])
         return out_BLD + self.bias_o[...] if hasattr(self, "bias_o") else out_BLD

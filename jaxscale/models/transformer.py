@@ -39,11 +39,14 @@ class ModelSpec:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     remat: str = "none"
+    attention_impl: str = "xla"       # a concrete kernel: xla | cudnn (see models.attention.resolve_impl)
+    context_parallel: str = "ring"    # ring | all_gather, used when the mesh splits `sequence`
 
     @classmethod
-    def from_config(cls, model_cfg) -> "ModelSpec":
+    def from_config(cls, model_cfg, attention_impl: str = "xla") -> "ModelSpec":
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in model_cfg.items() if k in names})
+        values = {k: v for k, v in model_cfg.items() if k in names}
+        return cls(**values, attention_impl=attention_impl, context_parallel=model_cfg.attention.context_parallel)
 
 
 def _norm(spec: ModelSpec):
@@ -145,3 +148,13 @@ def _unflatten(flat: dict) -> dict:
             node = node.setdefault(key, {})
         node[path[-1]] = value
     return tree
+
+
+def model_from_config(config, platform: str) -> tuple[LanguageModel, list[str]]:
+    """The model for a run on `platform`, with the attention kernel resolved; notes say what was chosen."""
+    from jaxscale.models.attention import resolve_impl
+    from jaxscale.models.precision import compute_dtype
+
+    m = config.model
+    impl, note = resolve_impl(m.attention.impl, platform, compute_dtype(m.dtype, platform), m.d_model // m.num_heads)
+    return LanguageModel(ModelSpec.from_config(m, impl)), [note] if note else []

@@ -1,0 +1,1 @@
+"""Parallelism beyond what sharding rules express: context-parallel attention."""

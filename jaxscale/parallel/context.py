@@ -1,0 +1,105 @@
+"""Context parallelism: attention over a sequence split across the `sequence` mesh axis.
+
+Two strategies, both inside shard_map over `sequence` (other mesh axes stay automatic):
+- ring: K/V blocks travel around the ring with ppermute while each device folds them into an
+  online (log-sum-exp) softmax; memory per device grows with (L/S)^2 per step, never L^2.
+- all_gather: each device gathers the whole K/V once and attends its queries to it; fewer,
+  larger messages, better for short sequences.
+
+Causality comes from the tokens' true positions, so any layout of the sequence works; the
+zig-zag layout (`zigzag_order`) gives every device an equal share of unmasked work. Gradients
+come from autodiff through the loop (the running max is a stop_gradient: the result does not
+depend on it mathematically).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+AXIS = "sequence"
+_MASKED = -1e30  # finite, so fully masked rows stay NaN-free
+
+
+def zigzag_order(length: int, shards: int) -> np.ndarray:
+    """Token order that gives shard i chunks i and 2S-1-i of 2S equal chunks (head-tail pairing).
+
+    Under a causal mask an early chunk has little work and a late chunk much; pairing them
+    evens out the unmasked work per shard.
+    """
+    chunks = np.arange(length).reshape(2 * shards, length // (2 * shards))
+    return np.concatenate([np.concatenate([chunks[i], chunks[2 * shards - 1 - i]]) for i in range(shards)])
+
+
+def _group(q_BQHE, kv_heads: int):
+    b, q, h, e = q_BQHE.shape
+    return q_BQHE.reshape(b, q, kv_heads, h // kv_heads, e)
+
+
+def _block(carry, q_BQKGE, k_BSKE, v_BSKE, q_pos_BQ, k_pos_BS):
+    """Fold one K/V block into the running (out, max, sum) of an online softmax, in fp32."""
+    out, run_max, run_sum = carry
+    scale = q_BQKGE.shape[-1] ** -0.5
+    s = jnp.einsum("bqkge,bske->bkgqs", q_BQKGE, k_BSKE, preferred_element_type=jnp.float32) * scale
+    visible = (q_pos_BQ[:, None, None, :, None] >= k_pos_BS[:, None, None, None, :])
+    s = jnp.where(visible, s, _MASKED)
+    new_max = jax.lax.stop_gradient(jnp.maximum(run_max, s.max(-1)))
+    p = jnp.exp(s - new_max[..., None]) * visible
+    correction = jnp.exp(run_max - new_max)
+    run_sum = run_sum * correction + p.sum(-1)
+    pv = jnp.einsum("bkgqs,bske->bqkge", p.astype(v_BSKE.dtype), v_BSKE, preferred_element_type=jnp.float32)
+    out = out * jnp.moveaxis(correction, -1, 1)[..., None] + pv
+    return out, new_max, run_sum
+
+
+def _start(q_BQKGE):
+    b, q, k, g, e = q_BQKGE.shape
+    return (jnp.zeros((b, q, k, g, e), jnp.float32), jnp.full((b, k, g, q), _MASKED, jnp.float32),
+            jnp.zeros((b, k, g, q), jnp.float32))
+
+
+def _finish(carry, q_BQHE):
+    out, _, run_sum = carry
+    out = out / jnp.moveaxis(run_sum, -1, 1)[..., None]
+    return out.reshape(q_BQHE.shape).astype(q_BQHE.dtype)
+
+
+def _ring_local(q_BQHE, k_BSKE, v_BSKE, q_pos_BQ, k_pos_BS, *, shards: int):
+    q = _group(q_BQHE, k_BSKE.shape[2])
+    shift = [(i, (i + 1) % shards) for i in range(shards)]
+
+    def step(state, _):
+        carry, k, v, k_pos = state
+        carry = _block(carry, q, k, v, q_pos_BQ, k_pos)
+        k, v, k_pos = (jax.lax.ppermute(x, AXIS, shift) for x in (k, v, k_pos))
+        return (carry, k, v, k_pos), None
+
+    state = (_start(q), k_BSKE, v_BSKE, k_pos_BS)
+    (carry, *_), _ = jax.lax.scan(step, state, None, length=shards)
+    return _finish(carry, q_BQHE)
+
+
+def _all_gather_local(q_BQHE, k_BSKE, v_BSKE, q_pos_BQ, k_pos_BS):
+    k, v, k_pos = (jax.lax.all_gather(x, AXIS, axis=1, tiled=True) for x in (k_BSKE, v_BSKE, k_pos_BS))
+    q = _group(q_BQHE, k.shape[2])
+    return _finish(_block(_start(q), q, k, v, q_pos_BQ, k_pos), q_BQHE)
+
+
+def _current(mesh):
+    """Inside another shard_map (gradient accumulation over `data`) the nested one must name the
+    context's abstract mesh, whose manual axes it inherits."""
+    context = jax.sharding.get_abstract_mesh()
+    return context if not context.empty and context.manual_axes else mesh
+
+
+def attention(q_BLHE, k_BLKE, v_BLKE, positions_BL, mesh, mode: str = "ring"):
+    """Causal attention with the length dimension split over `sequence` (ring or all_gather)."""
+    shards = mesh.shape[AXIS]
+    local = (functools.partial(_ring_local, shards=shards) if mode == "ring" else _all_gather_local)
+    seq = P(None, AXIS)
+    return jax.shard_map(local, mesh=_current(mesh), in_specs=(seq, seq, seq, seq, seq), out_specs=seq,
+                         axis_names={AXIS}, check_vma=False)(q_BLHE, k_BLKE, v_BLKE, positions_BL, positions_BL)
