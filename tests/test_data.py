@@ -1,198 +1,326 @@
-"""Data: every source, tokenizers, determinism, the held-out split and global batch assembly."""
+"""Data: every source, tokenizers, determinism, the held-out split, global batch assembly, errors.
+
+Run alone with: XLA_FLAGS=--xla_force_host_platform_device_count=8 python -m pytest tests/test_data.py
+"""
 
 import json
+import sys
+import time
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxscale.config import defaults
 from jaxscale.data import load_tokenizer, make_data, process_rows
-from jaxscale.data.windows import TokenWindows
-from conftest import make_layout
+from jaxscale.data.batches import StepBatches
 from jaxscale.errors import ConfigError
-from jaxscale.mesh import make_mesh
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 400  # 18 KB
+LINES = "".join(f"line {i:05d}\n" for i in range(3000))  # every 16-token window is unique
+B, L = 8, 16
+
+
+def _config(path="", *, seed=0, batch=B, seq_len=L, vocab=256, **data):
+    """A minimal run config with only the fields the data package reads."""
+    fields = {"source": "auto", "path": str(path), "tokenizer": "bytes", "text_field": "text",
+              "token_dtype": "uint16", "val_fraction": 0.05, "num_threads": 2}
+    return ml_collections.ConfigDict({
+        "data": fields | data, "train": {"seq_len": seq_len, "global_batch_size": batch, "seed": seed},
+        "model": {"vocab_size": vocab}})
 
 
 def _sharding(devices=8):
-    return make_layout(data=devices).batch_sharding()
+    mesh = jax.make_mesh((devices,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices()[:devices])
+    return NamedSharding(mesh, P("data", None))
 
 
-def _config(path="", **data):
-    config = defaults()
-    config.train.update(global_batch_size=8, seq_len=16, seed=0)
-    config.data.update(path=str(path), **data)
-    return config
+def _windows(stream, seq_len=L):
+    """Every packed window of `stream` (seq_len+1 tokens, stride seq_len) as int32 bytes, in order."""
+    count = (len(stream) - 1) // seq_len
+    return [np.asarray(stream[i * seq_len:i * seq_len + seq_len + 1], np.int32).tobytes() for i in range(count)]
 
 
-def _assert_windows_follow(batch, stream):
-    """Each row's targets are its inputs shifted by one, and the row occurs in the token stream."""
-    np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
-    text = stream.tobytes()
-    for row in np.concatenate([batch["inputs"], batch["targets"][:, -1:]], axis=1):
-        assert row.astype(stream.dtype).tobytes() in text
+def _rows(batch):
+    """Each row's whole window (inputs + last target), after checking targets are inputs shifted by one."""
+    inputs, targets = np.asarray(batch["inputs"]), np.asarray(batch["targets"])
+    assert inputs.dtype == targets.dtype == np.int32 and inputs.shape == targets.shape
+    np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])
+    return [np.concatenate([x, y[-1:]]).tobytes() for x, y in zip(inputs, targets)]
 
 
-def test_embedded_corpus_is_real_text():
+def _assert_train_windows(data, stream, steps=(0, 3)):
+    """The batches hold exactly the training windows of `stream`, split where the data says."""
+    assert data.num_train_tokens + data.num_val_tokens == len(stream)
+    expected = set(_windows(stream[:data.num_train_tokens]))
+    for step in steps:
+        assert set(_rows(data.local_batch(step))) <= expected
+
+
+def _bytes_stream(documents):
+    return np.frombuffer(b"".join(d.encode() + b"\0" for d in documents), np.uint8)
+
+
+def test_embedded_corpus_is_pydoc_topics():
+    from pydoc_data.topics import topics
+
     data = make_data(_config(), _sharding())
-    batch = data.local_batch(0)
-    assert batch["inputs"].shape == (8, 16) and batch["inputs"].dtype == np.int32
-    np.testing.assert_array_equal(batch["inputs"][:, 1:], batch["targets"][:, :-1])
-    text = data.tokenizer.decode(batch["inputs"].reshape(-1))
+    _assert_train_windows(data, _bytes_stream(topics[k] for k in sorted(topics)))
+    text = data.tokenizer.decode(data.local_batch(0)["inputs"].reshape(-1))
     assert sum(c.isalpha() or c.isspace() for c in text) > 0.8 * len(text)
     assert data.num_train_tokens > 400_000 and data.num_val_tokens > 20_000
 
 
-def test_text_file(tmp_path):
-    path = tmp_path / "a.txt"
+def test_synthetic_is_learnable_and_seeded():
+    config = _config(source="synthetic", vocab=97)
+    data = make_data(config, _sharding())
+    batch = data.local_batch(0)
+    steps = (batch["targets"] - batch["inputs"]) % 97
+    assert (steps == steps[:, :1]).all() and (steps > 0).all()  # each row: one constant stride
+    assert len(set(_rows(batch))) == B
+    val = set(_rows(data.val_batches(1)[0]))
+    assert val != set(_rows(batch)) and data.num_train_tokens == 2**20 * L
+    again = make_data(config, _sharding())
+    np.testing.assert_array_equal(again.local_batch(7)["inputs"], data.local_batch(7)["inputs"])
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".md", ".log"])
+def test_text_files(tmp_path, suffix):
+    path = tmp_path / f"a{suffix}"
     path.write_text(TEXT)
-    data = make_data(_config(path), _sharding())
-    stream = np.frombuffer(TEXT.encode() + b"\0", np.uint8)
-    _assert_windows_follow(data.local_batch(3), stream)
-    assert data.num_train_tokens + data.num_val_tokens == len(stream)
+    _assert_train_windows(make_data(_config(path), _sharding()), _bytes_stream([TEXT]))
 
 
-@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_text_is_decoded_leniently(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_bytes(TEXT.encode() + b"\xff\xfe bad bytes")
+    stream = _bytes_stream([(TEXT.encode() + b"\xff\xfe bad bytes").decode(errors="replace")])
+    _assert_train_windows(make_data(_config(path), _sharding()), stream)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
 def test_document_files(tmp_path, suffix):
     docs = [f"document {i}: " + TEXT[: 200 + i] for i in range(40)]
     path = tmp_path / f"docs{suffix}"
-    if suffix == ".jsonl":
-        path.write_text("\n".join(json.dumps({"body": d, "id": i}) for i, d in enumerate(docs)))
-    else:
+    if suffix == ".parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
-        pq.write_table(pa.table({"body": docs}), path)
-    data = make_data(_config(path, text_field="body"), _sharding())
-    stream = np.frombuffer(b"".join(d.encode() + b"\0" for d in docs), np.uint8)
-    _assert_windows_follow(data.local_batch(0), stream)
+        pq.write_table(pa.table({"id": list(range(40)), "body": docs}), path)
+    else:
+        path.write_text("\n".join(json.dumps({"body": d, "id": i}) for i, d in enumerate(docs)) + "\n\n")
+    _assert_train_windows(make_data(_config(path, text_field="body"), _sharding()), _bytes_stream(docs))
 
 
-@pytest.mark.parametrize("suffix, dtype", [(".bin", np.uint16), (".npy", np.uint32)])
-def test_pretokenized_files(tmp_path, suffix, dtype):
-    tokens = (np.arange(5000) * 7 % 1000).astype(dtype)
+@pytest.mark.parametrize("suffix, dtype, vocab", [(".bin", np.uint16, 1000), (".npy", np.uint32, 70_000)])
+def test_pretokenized_files(tmp_path, suffix, dtype, vocab):
+    tokens = (np.arange(5000) * 7919 % vocab).astype(dtype)  # uint32 case has ids above 65535
     path = tmp_path / f"tokens{suffix}"
     tokens.tofile(path) if suffix == ".bin" else np.save(path, tokens)
-    config = _config(path, token_dtype=np.dtype(dtype).name)
-    config.model.vocab_size = 1000
-    data = make_data(config, _sharding())
-    _assert_windows_follow(data.local_batch(2), tokens)
+    data = make_data(_config(path, token_dtype=np.dtype(dtype).name, vocab=vocab), _sharding())
+    _assert_train_windows(data, tokens, steps=(0, 2, 30))
+    assert data.tokenizer.decode([300, 65]).endswith("A")  # bytes tokenizer tolerates ids >= 256
 
 
-def test_synthetic_is_learnable_progressions():
-    config = _config(source="synthetic")
-    batch = make_data(config, _sharding()).local_batch(0)
-    steps = (batch["targets"] - batch["inputs"]) % config.model.vocab_size
-    assert (steps == steps[:, :1]).all()  # each row advances by a constant stride
+def _train_tokenizer(path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([TEXT, LINES], trainer)
+    tokenizer.save(str(path))
 
 
 def test_hf_tokenizer_json(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.train_from_iterator([TEXT], trainers.BpeTrainer(vocab_size=60, special_tokens=["[UNK]", "<|endoftext|>"]))
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
-    loaded = load_tokenizer(str(tmp_path / "tokenizer.json"))
-    assert loaded.eos_id == 1 and loaded.decode(loaded.encode("the lazy dog")) == "the lazy dog"
+    _train_tokenizer(tmp_path / "tokenizer.json")
+    tok = load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert tok.eos_id == 1 and tok.vocab_size <= 300
+    for text in ("the lazy dog", "Ünïcode — and\nnew lines 123"):
+        assert tok.decode(tok.encode(text)) == text
     (tmp_path / "a.txt").write_text(TEXT)
-    config = _config(tmp_path / "a.txt", tokenizer=str(tmp_path / "tokenizer.json"))
-    config.train.seq_len = 8
-    assert make_data(config, _sharding()).local_batch(0)["inputs"].max() < loaded.vocab_size
+    config = _config(tmp_path / "a.txt", tokenizer=str(tmp_path / "tokenizer.json"), seq_len=8, vocab=300)
+    data = make_data(config, _sharding())
+    stream = np.array(tok.encode(TEXT) + [tok.eos_id])
+    assert data.num_train_tokens + data.num_val_tokens == len(stream) < len(TEXT)
+    assert set(_rows(data.local_batch(0))) <= set(_windows(stream[:data.num_train_tokens], 8))
 
 
 def test_tiktoken_if_available():
     tiktoken = pytest.importorskip("tiktoken")
     try:
         tiktoken.get_encoding("gpt2")
-    except Exception:
+    except Exception:  # noqa: BLE001 -- any failure to fetch or read the BPE file
         pytest.skip("tiktoken's gpt2 file is not cached and there is no network")
     tok = load_tokenizer("tiktoken:gpt2")
-    assert tok.vocab_size == 50257 and tok.decode(tok.encode("hello world")) == "hello world"
+    assert tok.vocab_size == 50257 and tok.eos_id == 50256
+    assert tok.decode(tok.encode("hello world")) == "hello world"
 
 
 def test_order_is_deterministic_and_seeded():
-    first = make_data(_config(), _sharding())
-    again = make_data(_config(), _sharding())
-    other = _config()
-    other.train.seed = 1
-    reseeded = make_data(other, _sharding())
+    first, again = make_data(_config(), _sharding()), make_data(_config(), _sharding())
+    reseeded = make_data(_config(seed=1), _sharding())
     np.testing.assert_array_equal(first.local_batch(5)["inputs"], again.local_batch(5)["inputs"])
     assert not np.array_equal(first.local_batch(5)["inputs"], reseeded.local_batch(5)["inputs"])
     assert not np.array_equal(first.local_batch(0)["inputs"], first.local_batch(1)["inputs"])
 
 
+def test_sample_order_does_not_depend_on_batch_size():
+    eight, four = make_data(_config(batch=8), _sharding()), make_data(_config(batch=4), _sharding(4))
+    halves = [four.local_batch(s)["inputs"] for s in (6, 7)]
+    np.testing.assert_array_equal(eight.local_batch(3)["inputs"], np.concatenate(halves))
+
+
 def test_each_epoch_visits_every_window_once_in_a_new_order(tmp_path):
     path = tmp_path / "a.txt"
-    path.write_text(TEXT[:2000])
-    config = _config(path, val_fraction=0.2)
-    data = make_data(config, _sharding())
-    windows = TokenWindows(np.frombuffer(TEXT[:2000].encode() + b"\0", np.uint8)[: data.num_train_tokens], 16)
-    per_epoch = len(windows)  # 100 windows, 8 per batch: epochs do not align with batches
-    rows = np.concatenate([data.local_batch(s)["inputs"] for s in range(2 * per_epoch // 8 + 1)])
-    epoch0, epoch1 = rows[:per_epoch], rows[per_epoch:2 * per_epoch]
-    expected = sorted(windows[i]["inputs"].tobytes() for i in range(per_epoch))
-    assert sorted(r.tobytes() for r in epoch0) == expected == sorted(r.tobytes() for r in epoch1)
-    assert not np.array_equal(epoch0, epoch1)
+    path.write_text(LINES[:2000])
+    data = make_data(_config(path, val_fraction=0.2), _sharding())
+    windows = _windows(_bytes_stream([LINES[:2000]])[:data.num_train_tokens])
+    assert len(windows) == 100  # 8 per batch: epochs do not align with batches
+    rows = [r for s in range(2 * 100 // B + 1) for r in _rows(data.local_batch(s))]
+    epoch0, epoch1 = rows[:100], rows[100:200]
+    assert sorted(epoch0) == sorted(windows) == sorted(epoch1)
+    assert epoch0 != epoch1 and epoch0 != windows
 
 
-def test_validation_is_held_out(tmp_path):
+def test_validation_is_the_held_out_tail(tmp_path):
     path = tmp_path / "a.txt"
-    text = "".join(f"line {i:05d}\n" for i in range(3000))
-    path.write_text(text)
-    data = make_data(_config(path), _sharding())
-    train_rows = {r.tobytes() for s in range(200) for r in data.local_batch(s)["inputs"]}
-    val = data.val_batches(2)
-    val_rows = {r.tobytes() for b in val for r in np.asarray(b["inputs"]).astype(np.int32)}
-    assert not train_rows & val_rows
-    again = data.val_batches(2)
-    np.testing.assert_array_equal(np.asarray(val[1]["targets"]), np.asarray(again[1]["targets"]))
+    path.write_text(LINES)
+    data = make_data(_config(path, val_fraction=0.05), _sharding())
+    stream = _bytes_stream([LINES])
+    assert data.num_val_tokens == int(len(stream) * 0.05)
+    val_windows = _windows(stream[data.num_train_tokens:])  # 112 windows: 14 batches, then wraps
+    train_rows = {r for s in range(300) for r in _rows(data.local_batch(s))}
+    val = data.val_batches(16)
+    val_rows = [r for batch in val for r in _rows(batch)]
+    assert val_rows == [val_windows[i % len(val_windows)] for i in range(16 * B)]
+    assert not train_rows & set(val_rows)
+    assert [_rows(b) for b in data.val_batches(2)] == [_rows(b) for b in val[:2]]
 
 
 def test_global_batch_matches_numpy_and_device_count():
-    eight = make_data(_config(), _sharding(8))
-    one = make_data(_config(), _sharding(1))
-    batch8 = next(eight.train_batches(start_step=4))
-    batch1 = next(one.train_batches(start_step=4))
-    assert batch8["inputs"].sharding.spec == P("data") and len(batch8["inputs"].addressable_shards) == 8
-    assert batch8["inputs"].addressable_shards[1].data.shape == (1, 16)
-    np.testing.assert_array_equal(np.asarray(batch8["inputs"]), eight.local_batch(4)["inputs"])
-    np.testing.assert_array_equal(np.asarray(batch8["targets"]), np.asarray(batch1["targets"]))
+    eight, one = make_data(_config(), _sharding(8)), make_data(_config(), _sharding(1))
+    batches8, batches1 = eight.train_batches(start_step=4), one.train_batches(start_step=4)
+    batch8, batch1 = next(batches8), next(batches1)
+    assert batch8["inputs"].shape == (B, L) and batch8["inputs"].dtype == np.int32
+    assert batch8["inputs"].sharding == _sharding(8) and len(batch8["inputs"].addressable_shards) == 8
+    assert all(shard.data.shape == (1, L) for shard in batch8["inputs"].addressable_shards)
+    for key in ("inputs", "targets"):
+        np.testing.assert_array_equal(np.asarray(batch8[key]), eight.local_batch(4)[key])
+        np.testing.assert_array_equal(np.asarray(batch8[key]), np.asarray(batch1[key]))
+    np.testing.assert_array_equal(np.asarray(next(batches8)["inputs"]), eight.local_batch(5)["inputs"])
+    val = eight.val_batches(1)[0]
+    assert val["inputs"].sharding == _sharding(8)
+    np.testing.assert_array_equal(np.asarray(val["targets"]), np.asarray(one.val_batches(1)[0]["targets"]))
 
 
-def test_process_rows_single_process():
-    assert process_rows(_sharding(8), (8, 16)) == slice(0, 8)
-    mesh = make_mesh({"data": 8, "pipeline": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 1})
-    assert process_rows(NamedSharding(mesh, P()), (8, 16)) == slice(0, 8)
+def test_no_read_threads_gives_the_same_batches():
+    threaded, inline = make_data(_config(), _sharding()), make_data(_config(num_threads=0), _sharding())
+    for a, b in zip(threaded.train_batches(2), [next(inline.train_batches(2))]):
+        np.testing.assert_array_equal(np.asarray(a["inputs"]), np.asarray(b["inputs"]))
+
+
+def test_process_rows():
+    assert process_rows(_sharding(8), (B, L)) == slice(0, B)
+    assert process_rows(_sharding(1), (B, L)) == slice(0, B)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    assert process_rows(NamedSharding(mesh, P()), (B, L)) == slice(0, B)  # replicated
+
+
+def test_process_rows_rejects_scattered_rows():
+    class Scattered:  # what a process would see if its devices held rows 0:2 and 4:6
+        def addressable_devices_indices_map(self, shape):
+            return {0: (slice(0, 2), slice(None)), 1: (slice(4, 6), slice(None))}
+
+    with pytest.raises(AssertionError, match="not one contiguous range"):
+        process_rows(Scattered(), (B, L))
+
+
+def test_a_process_reads_only_its_rows():
+    samples = [{"inputs": np.full(2, i)} for i in range(40)]  # global sample g holds g
+    batches = StepBatches(samples, global_batch=8, rows=slice(2, 5))
+    assert batches[3]["inputs"][:, 0].tolist() == [26, 27, 28]  # rows 2..4 of step 3 = samples 24+2..24+4
+
+
+def test_minimal_config_takes_defaults():
+    config = ml_collections.ConfigDict({"data": {}, "train": {"seq_len": L, "global_batch_size": B, "seed": 0},
+                                        "model": {"vocab_size": 256}})
+    assert make_data(config, _sharding()).local_batch(0)["inputs"].shape == (B, L)
+
+
+def test_one_megabyte_text_loads_fast(tmp_path):
+    path = tmp_path / "big.txt"
+    path.write_text((TEXT * 60)[:1_000_000])
+    start = time.perf_counter()
+    data = make_data(_config(path), _sharding())
+    assert time.perf_counter() - start < 2.0 and data.num_train_tokens > 900_000
+
+
+def _bad_input(case, tmp_path, monkeypatch):
+    """Apply one bad-input case to a fresh config and return it."""
+    config = _config()
+    write = {"bad_text_field": ("a.jsonl", json.dumps({"content": "hi"}) + "\n"),
+             "not_json": ("a.jsonl", '{"text": "a"}\n{oops\n'),
+             "json_not_object": ("a.jsonl", '["text"]\n'),
+             "too_little_data": ("a.txt", "tiny"),
+             "too_little_validation": ("a.txt", TEXT[:300])}
+    if case in write:
+        name, content = write[case]
+        (tmp_path / name).write_text(content)
+        config.data.path = str(tmp_path / name)
+    elif case in ("token_above_vocab", "odd_bin_size", "negative_npy"):
+        path = tmp_path / ("t.npy" if case == "negative_npy" else "t.bin")
+        tokens = {"token_above_vocab": np.arange(3000, dtype=np.uint16),
+                  "odd_bin_size": np.arange(3001, dtype=np.uint8), "negative_npy": np.arange(-5, 3000)}[case]
+        np.save(path, tokens) if case == "negative_npy" else tokens.tofile(path)
+        config.data.path = str(path)
+    elif case == "unknown_binary_extension":
+        (tmp_path / "a.gz").write_bytes(b"\x1f\x8b\x08\x00" + bytes(100))
+        config.data.path = str(tmp_path / "a.gz")
+    elif case == "no_tokenizers_package":
+        monkeypatch.setitem(sys.modules, "tokenizers", None)  # import now raises ImportError
+        config.data.tokenizer = str(tmp_path / "tokenizer.json")
+    else:
+        settings = {"missing_file": ("data.path", str(tmp_path / "nope.txt")),
+                    "tokenizer_above_vocab": ("model.vocab_size", 100),
+                    "missing_tokenizer_file": ("data.tokenizer", str(tmp_path / "tokenizer.json")),
+                    "unknown_source": ("data.source", "hdfs"), "file_without_path": ("data.source", "file"),
+                    "bad_token_dtype": ("data.token_dtype", "int8"), "seed_out_of_range": ("train.seed", -1),
+                    "val_fraction_zero": ("data.val_fraction", 0.0)}
+        field, value = settings[case]
+        section, key = field.split(".")
+        config[section][key] = value
+    return config
 
 
 @pytest.mark.parametrize("case, field", [
     ("missing_file", "data.path"),
+    ("unknown_binary_extension", "data.path"),
+    ("not_json", "data.path"),
+    ("json_not_object", "data.path"),
+    ("negative_npy", "data.path"),
+    ("file_without_path", "data.path"),
     ("bad_text_field", "data.text_field"),
+    ("unknown_source", "data.source"),
+    ("bad_token_dtype", "data.token_dtype"),
+    ("odd_bin_size", "data.token_dtype"),
     ("token_above_vocab", "model.vocab_size"),
     ("tokenizer_above_vocab", "model.vocab_size"),
     ("too_little_data", "train.seq_len"),
+    ("too_little_validation", "data.val_fraction"),
+    ("val_fraction_zero", "data.val_fraction"),
+    ("seed_out_of_range", "train.seed"),
     ("missing_tokenizer_file", "data.tokenizer"),
+    ("no_tokenizers_package", "data.tokenizer"),
 ])
-def test_bad_data_input_names_field(tmp_path, case, field):
-    config = _config()
-    if case == "missing_file":
-        config.data.path = str(tmp_path / "nope.txt")
-    elif case == "bad_text_field":
-        (tmp_path / "a.jsonl").write_text(json.dumps({"content": "hi"}) + "\n")
-        config.data.path = str(tmp_path / "a.jsonl")
-    elif case == "token_above_vocab":
-        np.arange(3000, dtype=np.uint16).tofile(tmp_path / "t.bin")
-        config.data.path = str(tmp_path / "t.bin")
-    elif case == "tokenizer_above_vocab":
-        config.model.vocab_size = 100
-    elif case == "too_little_data":
-        (tmp_path / "a.txt").write_text("tiny")
-        config.data.path = str(tmp_path / "a.txt")
-    else:
-        config.data.tokenizer = str(tmp_path / "tokenizer.json")
+def test_bad_data_input_names_field(tmp_path, monkeypatch, case, field):
+    config = _bad_input(case, tmp_path, monkeypatch)
     with pytest.raises(ConfigError) as info:
         make_data(config, _sharding())
-    assert info.value.field == field and "\n" not in str(info.value)
+    message = str(info.value)
+    assert info.value.field == field and message.startswith(field + "=") and "\n" not in message
+    if case == "no_tokenizers_package":
+        assert "pip install 'jaxscale[tokenizers]'" in message

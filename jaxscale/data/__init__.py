@@ -1,6 +1,11 @@
-"""Data: sources, tokenizers, packing and global batch assembly (Grain underneath)."""
+"""Data: sources, tokenizers, packing and global batch assembly (Grain underneath).
 
-from jaxscale.data.loader import Data, make_data, process_rows
-from jaxscale.data.tokenize import load_tokenizer
+    data = make_data(config, batch_sharding)
+    for batch in data.train_batches(start_step): ...   # {'inputs','targets'}: int32 [B, L] jax.Arrays
+"""
 
-__all__ = ["Data", "make_data", "process_rows", "load_tokenizer"]
+from jaxscale.data.batches import process_rows
+from jaxscale.data.loader import Data, make_data
+from jaxscale.data.tokenize import Tokenizer, load_tokenizer
+
+__all__ = ["Data", "Tokenizer", "load_tokenizer", "make_data", "process_rows"]

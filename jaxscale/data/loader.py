@@ -1,7 +1,8 @@
-"""Global batches: a deterministic sample order, each process reading only its own rows.
+"""make_data and Data: a run's training and validation batches as global jax.Arrays.
 
-Step s uses global samples s*B ... s*B+B-1 of a Grain-shuffled stream (reshuffled each epoch),
-so the data is a pure function of (source, seed): independent of device and process count.
+The training order is a Grain shuffle of all windows, reshuffled every epoch (Grain's shuffle
+seeds each epoch with seed+epoch when it sits before repeat()), so the whole stream is a pure
+function of (data, train.seed): the same on any number of devices or processes.
 """
 
 from __future__ import annotations
@@ -14,107 +15,97 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxscale.data import sources
-from jaxscale.data.tokenize import ByteTokenizer, load_tokenizer
-from jaxscale.data.windows import SyntheticWindows, TokenWindows, split
+from jaxscale.data.batches import Batch, StepBatches, process_rows
+from jaxscale.data.settings import DataSettings, read_settings
+from jaxscale.data.synthetic import synthetic_splits
+from jaxscale.data.tokenize import Tokenizer, load_tokenizer
+from jaxscale.data.windows import train_val_windows
 from jaxscale.errors import ConfigError
 
-Batch = dict[str, np.ndarray]
+STEPS_AHEAD = 2  # prefetched local batches per read thread
 
 
-def process_rows(sharding: NamedSharding, global_shape: tuple[int, ...]) -> slice:
-    """The contiguous rows of a global [B, ...] array that this process's devices hold."""
-    indices = sharding.addressable_devices_indices_map(global_shape).values()
-    starts = sorted({(i[0].start or 0, global_shape[0] if i[0].stop is None else i[0].stop) for i in indices})
-    merged_stop = starts[0][0]
-    for start, stop in starts:
-        assert start <= merged_stop, f"this process's batch rows are not contiguous: {starts}"
-        merged_stop = max(merged_stop, stop)
-    return slice(starts[0][0], merged_stop)
+def shuffle_seed(seed: int) -> int:
+    """Grain's shuffle seed for train.seed.
 
-
-class _LocalBatches(Sequence):
-    """Random access: step -> this process's rows of that step's global batch."""
-
-    def __init__(self, samples: grain.MapDataset, global_batch: int, rows: slice):
-        self.samples, self.global_batch, self.rows = samples, global_batch, rows
-
-    def __len__(self) -> int:
-        return len(self.samples) // self.global_batch
-
-    def __getitem__(self, step: int) -> Batch:
-        first = step * self.global_batch
-        examples = [self.samples[first + r] for r in range(self.rows.start, self.rows.stop)]
-        return {key: np.stack([e[key] for e in examples]) for key in examples[0]}
+    Hashed because Grain uses seed+epoch for each epoch: with raw seeds, run seed=1 would
+    replay run seed=0's second epoch, correlating runs that should be independent.
+    """
+    return int(np.random.SeedSequence(seed).generate_state(1)[0])
 
 
 class Data:
-    """Training and validation batches as global jax.Arrays with the batch sharding."""
+    """Training and validation batches, each {'inputs','targets'}: int32 [B, L] with the batch sharding."""
 
-    def __init__(self, train: Sequence, val: Sequence, tokenizer, config, sharding: NamedSharding,
-                 num_train_tokens: int, num_val_tokens: int):
-        t = config.train
+    def __init__(self, train: Sequence, val: Sequence, tokenizer: Tokenizer, sharding: NamedSharding,
+                 settings: DataSettings, num_train_tokens: int, num_val_tokens: int):
         self.tokenizer, self.sharding = tokenizer, sharding
         self.num_train_tokens, self.num_val_tokens = num_train_tokens, num_val_tokens
-        self.global_shape = (t.global_batch_size, t.seq_len)
-        self._threads = config.data.num_threads
+        self.global_shape = (settings.global_batch, settings.seq_len)
+        self._threads = settings.num_threads
         rows = process_rows(sharding, self.global_shape)
-        shuffled = grain.MapDataset.source(train).shuffle(seed=t.seed).repeat()
-        self._train = _LocalBatches(shuffled, t.global_batch_size, rows)
-        self._val = _LocalBatches(grain.MapDataset.source(val).repeat(), t.global_batch_size, rows)
+        order = grain.MapDataset.source(train).shuffle(seed=shuffle_seed(settings.seed)).repeat()
+        self._train = StepBatches(order, settings.global_batch, rows)
+        self._val = StepBatches(grain.MapDataset.source(val).repeat(), settings.global_batch, rows)
 
     def local_batch(self, step: int) -> Batch:
-        """This process's rows of step's training batch (numpy)."""
+        """This process's rows of step's training batch (numpy, int32), by random access."""
         return self._train[step]
 
     def _to_global(self, local: Batch) -> dict[str, jax.Array]:
-        return {k: jax.make_array_from_process_local_data(self.sharding, v, self.global_shape)
-                for k, v in local.items()}
+        # Splits the process's rows over its local devices too.
+        return {key: jax.make_array_from_process_local_data(self.sharding, value, self.global_shape)
+                for key, value in local.items()}
 
     def train_batches(self, start_step: int = 0) -> Iterator[dict[str, jax.Array]]:
-        """Global batches for steps start_step, start_step+1, ...; read ahead by Grain threads."""
+        """Global batches for steps start_step, start_step+1, ... (endless), read ahead by Grain threads."""
         steps = grain.MapDataset.source(self._train)[start_step:]
-        options = grain.ReadOptions(num_threads=self._threads, prefetch_buffer_size=2 * self._threads)
-        return map(self._to_global, steps.to_iter_dataset(options))
+        options = grain.ReadOptions(num_threads=self._threads, prefetch_buffer_size=STEPS_AHEAD * self._threads)
+        for local in steps.to_iter_dataset(options):
+            yield self._to_global(local)
 
     def val_batches(self, num_batches: int) -> list[dict[str, jax.Array]]:
-        """The first num_batches validation batches, in order, the same at every evaluation."""
+        """The first num_batches*B validation windows in order (wrapping): the same at every evaluation."""
         return [self._to_global(self._val[i]) for i in range(num_batches)]
 
 
-def _token_stream(data_cfg, tokenizer) -> np.ndarray:
-    source = data_cfg.source if data_cfg.source != "auto" else ("file" if data_cfg.path else "embedded")
-    if source == "embedded":
-        return sources.encode_documents(sources.embedded_documents(), tokenizer)
-    path = sources.check_path(data_cfg.path)
-    if path.suffix in sources.TOKEN_SUFFIXES:
-        return sources.token_file(path, data_cfg.token_dtype)
-    return sources.encode_documents(sources.file_documents(path, data_cfg.text_field), tokenizer)
+def _check_tokenizer_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError("model.vocab_size", vocab_size, f"the tokenizer has {tokenizer.vocab_size} tokens; "
+                          f"set model.vocab_size >= {tokenizer.vocab_size}")
 
 
-def _check_vocab(tokens: np.ndarray, tokenizer, vocab_size: int, pretokenized: bool) -> None:
-    largest = sources.max_token(tokens) if pretokenized else tokenizer.vocab_size - 1
-    if largest >= vocab_size:
-        raise ConfigError("model.vocab_size", vocab_size, f"the data has token ids up to {largest}; use at least {largest + 1}")
+def _check_token_ids(tokens: np.ndarray, vocab_size: int, path: str) -> None:
+    low, high = sources.token_range(tokens)
+    if low < 0:
+        raise ConfigError("data.path", path, f"holds a negative token id ({low}); token ids must be >= 0")
+    if high >= vocab_size:
+        raise ConfigError("model.vocab_size", vocab_size, f"{path} has token ids up to {high}; "
+                          f"set model.vocab_size >= {high + 1}")
 
 
-def _windows(config, tokenizer) -> tuple[Sequence, Sequence, int, int]:
-    t = config.train
-    if config.data.source == "synthetic":
-        return (SyntheticWindows(config.model.vocab_size, t.seq_len, t.seed),
-                SyntheticWindows(config.model.vocab_size, t.seq_len, t.seed + 1, count=1 << 12), 0, 0)
-    tokens = _token_stream(config.data, tokenizer)
-    pretokenized = config.data.path.endswith(sources.TOKEN_SUFFIXES)
-    _check_vocab(tokens, tokenizer, config.model.vocab_size, pretokenized)
-    train, val = split(tokens, config.data.val_fraction)
-    for name, part in (("training", train), ("validation", val)):
-        if len(part) <= t.seq_len:
-            raise ConfigError("train.seq_len", t.seq_len, f"the {name} split has only {len(part)} tokens; use more data or a shorter seq_len")
-    return TokenWindows(train, t.seq_len), TokenWindows(val, t.seq_len), len(train), len(val)
+def _token_data(s: DataSettings, tokenizer: Tokenizer, sharding: NamedSharding) -> Data:
+    pretokenized = sources.is_pretokenized(s)
+    if not pretokenized:  # before encoding, so a mismatch fails fast
+        _check_tokenizer_vocab(tokenizer, s.vocab_size)
+    tokens = sources.load_tokens(s, tokenizer)
+    if pretokenized:
+        _check_token_ids(tokens, s.vocab_size, s.path)
+    train, val = train_val_windows(tokens, s.seq_len, s.val_fraction)
+    return Data(train, val, tokenizer, sharding, s, len(train.tokens), len(val.tokens))
 
 
 def make_data(config, batch_sharding: NamedSharding) -> Data:
-    """The run's data, as config.data says; bad input raises ConfigError naming the field."""
-    pretokenized = config.data.path.endswith(sources.TOKEN_SUFFIXES) or config.data.source == "synthetic"
-    tokenizer = ByteTokenizer() if pretokenized and config.data.tokenizer == "bytes" else load_tokenizer(config.data.tokenizer)
-    train, val, n_train, n_val = _windows(config, tokenizer)
-    return Data(train, val, tokenizer, config, batch_sharding, n_train, n_val)
+    """The run's data as config.data says; every bad input raises ConfigError naming its field.
+
+    batch_sharding is the sharding of a global [train.global_batch_size, train.seq_len] batch;
+    this process reads only the rows its devices hold.
+    """
+    settings = read_settings(config)
+    # Pre-tokenized and synthetic data skip the tokenizer; it is still loaded for decoding samples.
+    tokenizer = load_tokenizer(settings.tokenizer)
+    if settings.source != "synthetic":
+        return _token_data(settings, tokenizer, batch_sharding)
+    train, val = synthetic_splits(settings.vocab_size, settings.seq_len, settings.seed)
+    return Data(train, val, tokenizer, batch_sharding, settings,
+                len(train) * settings.seq_len, len(val) * settings.seq_len)

@@ -1,4 +1,9 @@
-"""Packing: a token stream cut into training windows, and the learnable synthetic stream."""
+"""Packing: a token stream cut into fixed-length training windows, and the held-out split.
+
+A window is seq_len+1 consecutive tokens; windows start every seq_len tokens, so each token
+(after the first) is a target exactly once per epoch. The last val_fraction of the stream is
+validation (nanoGPT-style), and no window crosses the cut, so the splits share no target.
+"""
 
 from __future__ import annotations
 
@@ -6,46 +11,49 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxscale.errors import ConfigError
+
 Example = dict[str, np.ndarray]  # {'inputs', 'targets'}: int32 [seq_len]
 
 
-def _example(window: np.ndarray) -> Example:
+def example(window: np.ndarray) -> Example:
+    """inputs = window[:-1], targets = window[1:], both int32."""
     window = np.asarray(window, dtype=np.int32)
     return {"inputs": window[:-1], "targets": window[1:]}
 
 
 class TokenWindows(Sequence):
-    """Windows of seq_len+1 tokens with stride seq_len: every token is a target exactly once."""
+    """Random access to the windows of a (possibly memory-mapped) token stream; indices wrap."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int):
         self.tokens, self.seq_len = tokens, seq_len
-        self._count = (len(tokens) - 1) // seq_len
+        self._count = max(0, (len(tokens) - 1) // seq_len)
 
     def __len__(self) -> int:
         return self._count
 
     def __getitem__(self, index: int) -> Example:
-        index = index % self._count
-        start = index * self.seq_len
-        return _example(self.tokens[start:start + self.seq_len + 1])
-
-
-class SyntheticWindows(Sequence):
-    """Deterministic arithmetic progressions mod vocab: random start and stride, so loss can fall."""
-
-    def __init__(self, vocab_size: int, seq_len: int, seed: int, count: int = 1 << 20):
-        self.vocab_size, self.seq_len, self.seed, self._count = vocab_size, seq_len, seed, count
-
-    def __len__(self) -> int:
-        return self._count
-
-    def __getitem__(self, index: int) -> Example:
-        rng = np.random.default_rng([self.seed, index % self._count])
-        start, stride = rng.integers(0, self.vocab_size), rng.integers(1, 8)
-        return _example((start + stride * np.arange(self.seq_len + 1)) % self.vocab_size)
+        start = (index % self._count) * self.seq_len
+        # Slicing a memmap reads only these seq_len+1 tokens from disk.
+        return example(self.tokens[start:start + self.seq_len + 1])
 
 
 def split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """(train, validation): validation is the last val_fraction of the stream (nanoGPT-style)."""
+    """(train, validation): validation is the last val_fraction of the stream. Views, no copies."""
     cut = len(tokens) - int(len(tokens) * val_fraction)
     return tokens[:cut], tokens[cut:]
+
+
+def train_val_windows(tokens: np.ndarray, seq_len: int,
+                      val_fraction: float) -> tuple[TokenWindows, TokenWindows]:
+    """Windows of both splits; ConfigError when either split is too short for one window."""
+    train, val = split(tokens, val_fraction)
+    if len(train) <= seq_len:
+        fix = (f"the training split has only {len(train)} tokens, fewer than seq_len+1; "
+               "use more data (data.path) or a shorter train.seq_len")
+        raise ConfigError("train.seq_len", seq_len, fix)
+    if len(val) <= seq_len:
+        fix = (f"the validation split has only {len(val)} tokens, fewer than train.seq_len+1={seq_len + 1}; "
+               "raise data.val_fraction, use more data or a shorter seq_len")
+        raise ConfigError("data.val_fraction", val_fraction, fix)
+    return TokenWindows(train, seq_len), TokenWindows(val, seq_len)
