@@ -44,10 +44,12 @@ def _peak(config) -> float | None:
     return config.metrics.peak_tflops or metrics_lib.peak_tflops(jax.devices()[0].device_kind)
 
 
-def setup(config) -> Run:
-    """Validate, then build mesh, model, data, sharded state and the jitted steps."""
-    config_lib.validate(config, jax.device_count(), granule_count(jax.devices()))
-    layout, notes = layout_from_config(config)
+def setup(config, devices=None) -> Run:
+    """Validate, then build mesh, model, data, sharded state and the jitted steps (on all devices
+    unless given a subset)."""
+    devices = list(devices or jax.devices())
+    config_lib.validate(config, len(devices), granule_count(devices))
+    layout, notes = layout_from_config(config, devices)
     model, model_notes = model_from_config(config, jax.default_backend())
     tx, schedule = make_optimizer(config.optim, config.train.steps)
     data = make_data(config, layout.batch_sharding())
@@ -107,7 +109,7 @@ def _record(run: Run, step: int, metrics: dict, step_time: float) -> dict:
     return {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
             "lr": float(metrics["lr"]), "tokens": step * int(metrics["tokens"]),
             "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
-            "mfu": metrics_lib.mfu(tokens_per_sec, run.flops_per_token, jax.device_count(), run.peak_tflops)}
+            "mfu": metrics_lib.mfu(tokens_per_sec, run.flops_per_token, run.layout.mesh.size, run.peak_tflops)}
 
 
 def run_steps(run: Run, display: ProgressDisplay, writer: metrics_lib.MetricsWriter) -> list[dict]:

@@ -6,8 +6,9 @@ Two strategies, both inside shard_map over `sequence` (other mesh axes stay auto
 - all_gather: each device gathers the whole K/V once and attends its queries to it; fewer,
   larger messages, better for short sequences.
 
-Causality comes from the tokens' true positions, so any layout of the sequence works; the
-zig-zag layout (`zigzag_order`) gives every device an equal share of unmasked work. Gradients
+Causality comes from the tokens' true positions. Both expect the zig-zag layout
+(`zigzag_order`), which gives every device an equal share of unmasked work; the ring uses it to
+compute only the visible half of each visiting block. Gradients
 come from autodiff through the loop (the running max is a stop_gradient: the result does not
 depend on it mathematically).
 """
@@ -68,18 +69,50 @@ def _finish(carry, q_BQHE):
     return out.reshape(q_BQHE.shape).astype(q_BQHE.dtype)
 
 
+def _split_rows(carry, half: int):
+    out, run_max, run_sum = carry
+    return ((out[:, :half], run_max[..., :half], run_sum[..., :half]),
+            (out[:, half:], run_max[..., half:], run_sum[..., half:]))
+
+
+def _join_rows(head, tail):
+    return (jnp.concatenate([head[0], tail[0]], 1), jnp.concatenate([head[1], tail[1]], -1),
+            jnp.concatenate([head[2], tail[2]], -1))
+
+
+def _visiting_block(carry, q, k, v, q_pos, k_pos, from_earlier_shard):
+    """A K/V block from another shard, zig-zag layout: exactly half of it is visible, so compute half.
+
+    Shard i holds chunks (i, 2S-1-i). K/V from an earlier shard j < i: its first chunk j is
+    visible to all our queries and its second chunk (2S-1-j) to none. From a later shard j > i:
+    only our second chunk sees it, and sees all of it.
+    """
+    half = q.shape[1] // 2
+
+    def earlier(carry):
+        return _block(carry, q, k[:, :half], v[:, :half], q_pos, k_pos[:, :half])
+
+    def later(carry):
+        head, tail = _split_rows(carry, half)
+        return _join_rows(head, _block(tail, q[:, half:], k, v, q_pos[:, half:], k_pos))
+
+    return jax.lax.cond(from_earlier_shard, earlier, later, carry)
+
+
 def _ring_local(q_BQHE, k_BSKE, v_BSKE, q_pos_BQ, k_pos_BS, *, shards: int):
+    """Ring attention for inputs in zig-zag order (see zigzag_order): S-1 K/V hops."""
     q = _group(q_BQHE, k_BSKE.shape[2])
+    me = jax.lax.axis_index(AXIS)
     shift = [(i, (i + 1) % shards) for i in range(shards)]
 
-    def step(state, _):
+    def step(state, hop):
         carry, k, v, k_pos = state
-        carry = _block(carry, q, k, v, q_pos_BQ, k_pos)
         k, v, k_pos = (jax.lax.ppermute(x, AXIS, shift) for x in (k, v, k_pos))
-        return (carry, k, v, k_pos), None
+        source = (me - hop) % shards
+        return (_visiting_block(carry, q, k, v, q_pos_BQ, k_pos, source < me), k, v, k_pos), None
 
-    state = (_start(q), k_BSKE, v_BSKE, k_pos_BS)
-    (carry, *_), _ = jax.lax.scan(step, state, None, length=shards)
+    diagonal = _block(_start(q), q, k_BSKE, v_BSKE, q_pos_BQ, k_pos_BS)  # our own chunks, causal
+    (carry, *_), _ = jax.lax.scan(step, (diagonal, k_BSKE, v_BSKE, k_pos_BS), jnp.arange(1, shards))
     return _finish(carry, q_BQHE)
 
 
