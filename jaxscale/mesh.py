@@ -56,10 +56,15 @@ def dcn_shape(dcn_cfg, device_count: int, granules: int) -> dict[str, int]:
     return sizes
 
 
+def _ici_dcn(mesh_cfg, dcn_cfg, device_count: int, granules: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(per-slice sizes, DCN multipliers), both validated."""
+    dcn = dcn_shape(dcn_cfg or {axis: 1 for axis in AXES}, device_count, granules)
+    return resolve_shape(mesh_cfg, device_count // math.prod(dcn.values())), dcn
+
+
 def axis_sizes(config, device_count: int, granules: int = 1) -> dict[str, int]:
     """Total size of every axis: per-slice size x DCN multiplier."""
-    dcn = dcn_shape(config.mesh_dcn, device_count, granules)
-    ici = resolve_shape(config.mesh, device_count // math.prod(dcn.values()))
+    ici, dcn = _ici_dcn(config.mesh, config.mesh_dcn, device_count, granules)
     return {axis: ici[axis] * dcn[axis] for axis in AXES}
 
 
@@ -81,8 +86,7 @@ def make_mesh(mesh_cfg, devices=None, dcn_cfg=None) -> Mesh:
     slice (TPU) or host (GPU, CPU) holds a contiguous block of the inner axes.
     """
     devices = list(jax.devices() if devices is None else devices)
-    dcn = dcn_shape(dcn_cfg or {axis: 1 for axis in AXES}, len(devices), granule_count(devices))
-    ici = resolve_shape(mesh_cfg, len(devices) // math.prod(dcn.values()))
+    ici, dcn = _ici_dcn(mesh_cfg, dcn_cfg, len(devices), granule_count(devices))
     auto = (AxisType.Auto,) * len(AXES)
     if math.prod(dcn.values()) > 1:
         from jax.experimental import mesh_utils
