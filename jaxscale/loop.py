@@ -32,12 +32,15 @@ class Run:
     data: Data
     state: state_lib.TrainState
     shardings: state_lib.TrainState
-    batch_sharding: NamedSharding
     notes: list[str]     # one-line explanations of layout adjustments
     train_step: object   # jitted (state, batch) -> (state, metrics)
     eval_step: object    # jitted (params, batch) -> loss
     flops_per_token: float
     peak_tflops: float | None
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        return self.layout.batch_sharding()
 
 
 def _peak(config) -> float | None:
@@ -59,7 +62,7 @@ def setup(config, devices=None) -> Run:
     step = jit_train_step(model, tx, schedule, dtype, config.train.grad_accum_steps, layout, shardings,
                           state_lib.grad_shardings(model, layout))
     return Run(config=config, layout=layout, notes=notes + model_notes, model=model, data=data, state=state,
-               shardings=shardings, batch_sharding=layout.batch_sharding(), train_step=step,
+               shardings=shardings, train_step=step,
                eval_step=jit_eval_step(model, dtype, layout, shardings.params),
                flops_per_token=metrics_lib.flops_per_token(model.spec, n, config.train.seq_len),
                peak_tflops=_peak(config))
