@@ -48,6 +48,11 @@ def defaults() -> ml_collections.ConfigDict:
     c.mesh.data = -1           # -1: the devices the other axes leave
     c.mesh_dcn = {axis: 1 for axis in AXES}  # multipliers across hosts/slices: data, pipeline, fsdp cross slow links
     c.zero_stage = 0           # also shard over `data`: 1 optimizer state, 2 + gradients, 3 + parameters
+    c.pipeline = dict(
+        microbatches=4,        # microbatches in flight through the stages when mesh.pipeline > 1 (>= mesh.pipeline)
+        schedule="gpipe",      # gpipe
+        virtual_stages=1,      # layer chunks per device (circular schedules; 1 for gpipe)
+    )
     c.sharding = dict(
         sequence_parallel=False,  # keep norms/residuals split along length over `tensor` between TP regions
         rules={name: ",".join(axes) for name, axes in DEFAULT_RULES.items()},  # logical axis -> mesh axes
@@ -176,7 +181,8 @@ def _check_positive(c) -> None:
     for field in ("model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads",
                   "model.d_ff", "model.vocab_size", "model.max_seq_len", "train.steps",
                   "train.global_batch_size", "train.seq_len", "train.grad_accum_steps",
-                  "train.log_every", "train.eval_batches", "optim.lr", "data.num_threads"):
+                  "train.log_every", "train.eval_batches", "optim.lr", "data.num_threads",
+                  "pipeline.microbatches", "pipeline.virtual_stages"):
         section, key = field.split(".")
         _require(c[section][key] > 0, field, c[section][key], "must be > 0")
     for field in ("train.eval_every", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
@@ -219,12 +225,30 @@ def _check_rules(c, rules, sizes) -> None:
              f"activations are split {parts} ways along length; use a multiple of {parts}")
 
 
+def _check_pipeline(c, sizes) -> None:
+    stages, p = sizes["pipeline"], c.pipeline
+    _require(p.schedule == "gpipe", "pipeline.schedule", p.schedule, "only gpipe is supported so far")
+    _require(p.virtual_stages == 1, "pipeline.virtual_stages", p.virtual_stages, "gpipe runs one stage per device; set it to 1")
+    if stages == 1:
+        return
+    _require(c.model.num_layers % stages == 0, "model.num_layers", c.model.num_layers,
+             f"{stages} pipeline stages need a multiple of {stages} layers")
+    _require(p.microbatches >= stages, "pipeline.microbatches", p.microbatches,
+             f"fewer microbatches than the {stages} stages leaves stages idle; use at least {stages}")
+    micro = c.train.global_batch_size // c.train.grad_accum_steps
+    shards = math.prod(sizes[a] for a in BATCH_AXES)
+    _require(micro % (p.microbatches * shards) == 0, "pipeline.microbatches", p.microbatches,
+             f"each accumulation step's {micro} sequences must split into {p.microbatches} microbatches "
+             f"over {shards} batch shards; make train.global_batch_size a multiple of "
+             f"{p.microbatches * shards * c.train.grad_accum_steps}")
+
+
 def _check_parallelism(c, device_count: int, granules: int) -> None:
     _require(c.mesh_dcn.tensor == 1, "mesh_dcn.tensor", c.mesh_dcn.tensor,
              "tensor parallelism communicates in every layer; keep it inside a host (mesh_dcn.tensor=1)")
     sizes = axis_sizes(c, device_count, granules)
-    for axis in ("pipeline", "expert"):
-        _require(sizes[axis] == 1, f"mesh.{axis}", sizes[axis], "is not supported yet (data, fsdp, sequence and tensor are); set it to 1")
+    _require(sizes["expert"] == 1, "mesh.expert", sizes["expert"], "is not supported yet (data, pipeline, fsdp, sequence and tensor are); set it to 1")
+    _check_pipeline(c, sizes)
     chunks = 2 * sizes["sequence"]
     _require(sizes["sequence"] == 1 or c.train.seq_len % chunks == 0, "train.seq_len", c.train.seq_len,
              f"context parallelism lays the sequence out in {chunks} chunks (2 x mesh.sequence); use a multiple of {chunks}")

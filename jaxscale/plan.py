@@ -23,6 +23,7 @@ from jaxscale import state as state_lib
 from jaxscale.mesh import granule_count
 from jaxscale.models import model_from_config
 from jaxscale.optim import make_optimizer
+from jaxscale.parallel.pipeline import bubble_fraction
 from jaxscale.sharding import Layout, layout_from_config
 from jaxscale.step import compute_dtype, jit_train_step
 
@@ -82,7 +83,10 @@ def make_plan(config, platform: str | None = None, devices=None) -> dict:
     # Peak: live arguments + temporaries + outputs that do not reuse a donated input.
     per_device["total"] = (memory.argument_size_in_bytes + memory.temp_size_in_bytes
                            + memory.output_size_in_bytes - memory.alias_size_in_bytes)
+    stages, count = layout.mesh.shape["pipeline"], config.pipeline.microbatches
     return {"mesh": {k: v for k, v in layout.mesh.shape.items()}, "zero_stage": layout.zero_stage,
+            "pipeline": {"stages": stages, "microbatches": count if stages > 1 else None,
+                         "bubble_fraction": bubble_fraction(stages, count) if stages > 1 else 0.0},
             "platform": platform, "compute_dtype": str(compute_dtype(config.model.dtype, platform)),
             "num_params": n_params, "compile_s": round(compile_s, 2), "per_device_bytes": per_device,
             "argument_bytes": memory.argument_size_in_bytes,
@@ -123,6 +127,10 @@ def table(plan: dict) -> str:
         expected = plan["expected_bytes"].get(key)
         shown = "" if expected is None else f"{_size(expected):>14}"
         rows.append(f"{key:<12}{_size(plan['per_device_bytes'][key]):>14}{shown}")
+    pipe = plan["pipeline"]
+    if pipe["stages"] > 1:
+        rows.append(f"pipeline: gpipe, {pipe['stages']} stages x {pipe['microbatches']} microbatches, "
+                    f"bubble {100 * pipe['bubble_fraction']:.1f}% = (P-1)/(M+P-1)")
     rows.append("collectives per step:\n" + profile.summarize(plan["collectives"]))
     return "\n".join(rows)
 

@@ -113,9 +113,18 @@ def active_layout() -> "Layout | None":
 
 
 def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
-    """Sharding constraint on an activation by logical names; a no-op outside Layout.activate()."""
+    """Sharding constraint on an activation by logical names; a no-op outside Layout.activate().
+
+    Inside shard_map the constraint is stated on the context's mesh and leaves out its manual axes.
+    """
     layout = _ACTIVE.get()
-    return x if layout is None else jax.lax.with_sharding_constraint(x, layout.sharding(names))
+    if layout is None:
+        return x
+    context = jax.sharding.get_abstract_mesh()
+    if context.empty or not context.manual_axes:
+        return jax.lax.with_sharding_constraint(x, layout.sharding(names))
+    spec = layout.inside(*context.manual_axes).spec(names)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(context, spec))
 
 
 def tree_specs(layout: Layout, axes_tree):

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxscale.models import LanguageModel
 from jaxscale.models.precision import compute_dtype  # noqa: F401  (re-exported for callers)
+from jaxscale.parallel import microbatch
 from jaxscale.parallel.context import AXIS as SEQUENCE, zigzag_order
 from jaxscale.sharding import Layout
 from jaxscale.state import TrainState
@@ -42,28 +43,20 @@ def _sequence_layout(batch: Batch, layout: Layout):
     return inputs[:, order], targets[:, order], positions
 
 
-def _microbatches(batch: Batch, count: int) -> Batch:
-    """[B, L] -> [count, B/count, L], microbatch i = rows i, i+count, ...
-
-    Strided rows keep every microbatch spread evenly over the shards of the batch dimension.
-    """
-    return jax.tree.map(lambda x: x.reshape(x.shape[0] // count, count, *x.shape[1:]).swapaxes(0, 1), batch)
-
-
 def _accumulate(params, batch: Batch, grad_fn, count: int):
     """Mean (loss, grads) over microbatches, summed in float32."""
     def add(carry, micro):
         return jax.tree.map(jnp.add, carry, grad_fn(params, micro)), None
 
     zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-    total = jax.lax.scan(add, zeros, _microbatches(batch, count))[0]
+    total = jax.lax.scan(add, zeros, microbatch.split_tree(batch, count))[0]
     return jax.tree.map(lambda x: x / count, total)
 
 
 def _accumulate_per_replica(params, batch: Batch, model, dtype, count: int, layout: Layout):
     """Accumulate inside shard_map over `data`: each replica sums its microbatch gradients
     locally and they are reduced across `data` once per step, not once per microbatch."""
-    grad_fn = jax.value_and_grad(functools.partial(loss_fn, model=model, dtype=dtype, layout=layout.inside("data")))
+    grad_fn = jax.value_and_grad(functools.partial(loss_fn, model=model, dtype=dtype, layout=layout))
 
     def local(params, batch):
         return jax.lax.pmean(_accumulate(params, batch, grad_fn, count), "data")

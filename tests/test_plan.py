@@ -92,3 +92,10 @@ def test_context_parallelism_cuts_activation_memory():
 
     one, four = temp(1), temp(4)
     assert four <= 0.35 * one, (four, one)
+
+
+def test_pipeline_bubble_is_reported():
+    plan = _plan("mesh.pipeline=2", "mesh.data=4", "model.num_layers=4", "pipeline.microbatches=4",
+                 "train.global_batch_size=16")
+    assert plan["pipeline"] == {"stages": 2, "microbatches": 4, "bubble_fraction": pytest.approx(1 / 5)}
+    assert plan["collectives"]["collective-permute"]["count"] > 0  # activations passed between stages

@@ -89,6 +89,26 @@ def test_every_layout_equals_one_device(reference, optim_cfg, name):
     _assert_same(_run(_layout(**LAYOUTS[name]), 1, optim_cfg, steps=3), reference, rtol=1e-5)
 
 
+DEEP = ModelSpec(**{**SPEC.__dict__, "num_layers": 4, "pipeline_microbatches": 4})
+
+
+@pytest.fixture(scope="module")
+def deep_reference(optim_cfg):
+    return _run(_layout(1, spec=DEEP), 1, optim_cfg, steps=3, spec=DEEP)
+
+
+@pytest.mark.parametrize("sizes", [dict(pipeline=2), dict(pipeline=4), dict(data=2, pipeline=2, tensor=2),
+                                   dict(pipeline=2, fsdp=2, sequence=2, zero_stage=1)],
+                         ids=["pipeline2", "pipeline4", "data2_pipeline2_tensor2", "pipeline2_fsdp2_sequence2_zero1"])
+def test_gpipe_equals_one_device(deep_reference, optim_cfg, sizes):
+    """Loss, grad norm and parameters after 3 steps equal the unpipelined run (fp32, 1e-5)."""
+    _assert_same(_run(_layout(spec=DEEP, **sizes), 1, optim_cfg, steps=3, spec=DEEP), deep_reference, rtol=1e-5)
+
+
+def test_gpipe_with_accumulation(deep_reference, optim_cfg):
+    _assert_same(_run(_layout(data=2, pipeline=2, spec=DEEP), 2, optim_cfg, steps=3, spec=DEEP), deep_reference, rtol=1e-5)
+
+
 @pytest.mark.parametrize("mode", ["all_gather", "ring"])
 def test_context_parallel_modes_with_accumulation(reference, optim_cfg, mode):
     spec = ModelSpec(**{**SPEC.__dict__, "context_parallel": mode})

@@ -14,7 +14,8 @@ from flax import nnx
 
 from jaxscale.models.layers import (AXES_KEY, INNER, RESIDUAL, Attention, GeluMLP, LayerNorm, RMSNorm,
                                     SwiGLU, normal)
-from jaxscale.sharding import constrain
+from jaxscale.parallel import pipeline
+from jaxscale.sharding import active_layout, constrain
 
 REMAT_POLICIES = {
     "full": None,  # save nothing inside a layer: recompute it all in the backward pass
@@ -41,12 +42,14 @@ class ModelSpec:
     remat: str = "none"
     attention_impl: str = "xla"       # a concrete kernel: xla | cudnn (see models.attention.resolve_impl)
     context_parallel: str = "ring"    # ring | all_gather, used when the mesh splits `sequence`
+    pipeline_microbatches: int = 1    # microbatches in flight when the mesh splits `pipeline`
 
     @classmethod
-    def from_config(cls, model_cfg, attention_impl: str = "xla") -> "ModelSpec":
+    def from_config(cls, model_cfg, attention_impl: str = "xla", pipeline_microbatches: int = 1) -> "ModelSpec":
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in model_cfg.items() if k in names}
-        return cls(**values, attention_impl=attention_impl, context_parallel=model_cfg.attention.context_parallel)
+        return cls(**values, attention_impl=attention_impl, context_parallel=model_cfg.attention.context_parallel,
+                   pipeline_microbatches=pipeline_microbatches)
 
 
 def _norm(spec: ModelSpec):
@@ -94,12 +97,18 @@ class Transformer(nnx.Module):
     def _scan_layers(self, x_BLD, positions_BL):
         graphdef, stacked = nnx.split(self.layers)
 
-        def layer(x, params):
-            return nnx.merge(graphdef, params)(x, positions_BL), None
+        def run_layers(params, x_BLD, positions_BL):
+            def layer(x, layer_params):
+                return nnx.merge(graphdef, layer_params)(x, positions_BL), None
 
-        if self.spec.remat != "none":
-            layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.spec.remat], prevent_cse=False)
-        return jax.lax.scan(layer, x_BLD, stacked)[0]
+            if self.spec.remat != "none":
+                layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.spec.remat], prevent_cse=False)
+            return jax.lax.scan(layer, x_BLD, params)[0]
+
+        layout = active_layout()
+        if layout is not None and layout.mesh.shape[pipeline.AXIS] > 1:
+            return pipeline.gpipe(run_layers, stacked, x_BLD, positions_BL, layout.mesh, self.spec.pipeline_microbatches)
+        return run_layers(stacked, x_BLD, positions_BL)
 
 
 def _stacked_blocks(spec: ModelSpec, rngs: nnx.Rngs) -> Block:
@@ -157,4 +166,5 @@ def model_from_config(config, platform: str) -> tuple[LanguageModel, list[str]]:
 
     m = config.model
     impl, note = resolve_impl(m.attention.impl, platform, compute_dtype(m.dtype, platform), m.d_model // m.num_heads)
-    return LanguageModel(ModelSpec.from_config(m, impl)), [note] if note else []
+    spec = ModelSpec.from_config(m, impl, config.pipeline.microbatches)
+    return LanguageModel(spec), [note] if note else []

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxscale.parallel import current_mesh
+
 AXIS = "sequence"
 _MASKED = -1e30  # finite, so fully masked rows stay NaN-free
 
@@ -122,17 +124,10 @@ def _all_gather_local(q_BQHE, k_BSKE, v_BSKE, q_pos_BQ, k_pos_BS):
     return _finish(_block(_start(q), q, k, v, q_pos_BQ, k_pos), q_BQHE)
 
 
-def _current(mesh):
-    """Inside another shard_map (gradient accumulation over `data`) the nested one must name the
-    context's abstract mesh, whose manual axes it inherits."""
-    context = jax.sharding.get_abstract_mesh()
-    return context if not context.empty and context.manual_axes else mesh
-
-
 def attention(q_BLHE, k_BLKE, v_BLKE, positions_BL, mesh, mode: str = "ring"):
     """Causal attention with the length dimension split over `sequence` (ring or all_gather)."""
     shards = mesh.shape[AXIS]
     local = (functools.partial(_ring_local, shards=shards) if mode == "ring" else _all_gather_local)
     seq = P(None, AXIS)
-    return jax.shard_map(local, mesh=_current(mesh), in_specs=(seq, seq, seq, seq, seq), out_specs=seq,
+    return jax.shard_map(local, mesh=current_mesh(mesh), in_specs=(seq, seq, seq, seq, seq), out_specs=seq,
                          axis_names={AXIS}, check_vma=False)(q_BLHE, k_BLKE, v_BLKE, positions_BL, positions_BL)

@@ -1,0 +1,85 @@
+"""GPipe: step time against the microbatch count at a fixed number of stages, and the bubble.
+
+    python benchmarks/pipeline.py [--stages=2] [--microbatches=2,4,8,16] [--steps=5] [--append]
+
+Trains a 4-layer tiny model with mesh.pipeline=stages (and mesh.data=1) over a fixed global
+batch, for each microbatch count M. GPipe runs M+P-1 ticks of B/M sequences each, of which P-1
+are bubble, so the step time should follow  t(M) = c + c(P-1)/M. A least-squares line through
+t against 1/M gives the bubble-free time c (its intercept); the table compares the measured idle
+share 1 - c/t(M) with the formula (P-1)/(M+P-1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def _config(stages: int, count: int, batch: int):
+    from jaxscale import config as config_lib
+
+    config = config_lib.load("configs/tiny.py")
+    config_lib.apply_overrides(config, [
+        "mesh.data=1", f"mesh.pipeline={stages}", f"pipeline.microbatches={count}", "model.num_layers=4",
+        f"train.global_batch_size={batch}", "train.seq_len=256", "data.source=synthetic",
+        "metrics.progress=False", "metrics.tensorboard=False", "model.dtype=float32"])
+    return config
+
+
+def _step_time(config, steps: int) -> float:
+    import statistics
+    import time
+
+    import jax
+
+    from jaxscale import loop
+
+    run = loop.setup(config)
+    compiled, _ = loop.compile_step(run)
+    batch, state, times = next(run.data.train_batches(0)), run.state, []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--microbatches", default="2,4,8,16")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--append", action="store_true")
+    args = parser.parse_args()
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.stages}"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import datetime
+
+    from jaxscale.parallel.pipeline import bubble_fraction
+
+    counts = [int(x) for x in args.microbatches.split(",")]
+    batch = max(counts)
+    times = {m: _step_time(_config(args.stages, m, batch), args.steps) for m in counts}
+    import numpy as np
+
+    slope, work = np.polyfit([1 / m for m in counts], [times[m] for m in counts], 1)  # work: t at M -> inf
+    rows = [f"### gpipe: tiny model (4 layers, seq 256), P={args.stages} on {args.stages} x cpu, "
+            f"global batch {batch}, {datetime.date.today()}", "",
+            "| microbatches M | median step | measured idle share | formula (P-1)/(M+P-1) |", "|---|---|---|---|"]
+    for m in counts:
+        rows.append(f"| {m} | {times[m] * 1e3:,.0f} ms | {1 - work / times[m]:.2f} | "
+                    f"{bubble_fraction(args.stages, m):.2f} |")
+    rows.append(f"\nFit: t(M) = {work * 1e3:,.0f} ms + {slope * 1e3:,.0f} ms / M, i.e. P-1 = {slope / work:.2f} "
+                f"(formula {args.stages - 1}).")
+    text = "\n".join(rows)
+    print(text)
+    if args.append:
+        with open(os.path.join(os.path.dirname(__file__), "RESULTS.md"), "a") as out:
+            out.write("\n" + text + "\n")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
