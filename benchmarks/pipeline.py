@@ -1,6 +1,6 @@
 """GPipe: step time against the microbatch count at a fixed number of stages, and the bubble.
 
-    python benchmarks/pipeline.py [--stages=2] [--microbatches=2,4,8,16] [--steps=5] [--append]
+    python benchmarks/pipeline.py [--stages=2] [--microbatches=2,4,8,16] [--steps=9] [--append]
 
 Trains a 4-layer tiny model with mesh.pipeline=stages (and mesh.data=1) over a fixed global
 batch, for each microbatch count M. GPipe runs M+P-1 ticks of B/M sequences each, of which P-1
@@ -27,8 +27,8 @@ def _config(stages: int, count: int, batch: int):
     return config
 
 
-def _step_time(config, steps: int) -> float:
-    import statistics
+def _stepper(config):
+    """A function running one timed step of this config's compiled train step."""
     import time
 
     import jax
@@ -37,20 +37,34 @@ def _step_time(config, steps: int) -> float:
 
     run = loop.setup(config)
     compiled, _ = loop.compile_step(run)
-    batch, state, times = next(run.data.train_batches(0)), run.state, []
-    for _ in range(steps + 1):
+    batch, holder = next(run.data.train_batches(0)), [run.state]
+
+    def step() -> float:
         start = time.perf_counter()
-        state, metrics = compiled(state, batch)
+        holder[0], metrics = compiled(holder[0], batch)
         jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+        return time.perf_counter() - start
+
+    step()  # warm-up
+    return step
+
+
+def _interleaved(steppers: dict, rounds: int) -> dict:
+    """Median step time per key, the keys taking turns so noise hits all alike."""
+    import statistics
+
+    times = {key: [] for key in steppers}
+    for _ in range(rounds):
+        for key, step in steppers.items():
+            times[key].append(step())
+    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--microbatches", default="2,4,8,16")
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=9, help="timed rounds; each runs one step per M")
     parser.add_argument("--append", action="store_true")
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.stages}"
@@ -61,7 +75,7 @@ def main() -> None:
 
     counts = [int(x) for x in args.microbatches.split(",")]
     batch = max(counts)
-    times = {m: _step_time(_config(args.stages, m, batch), args.steps) for m in counts}
+    times = _interleaved({m: _stepper(_config(args.stages, m, batch)) for m in counts}, args.steps)
     import numpy as np
 
     slope, work = np.polyfit([1 / m for m in counts], [times[m] for m in counts], 1)  # work: t at M -> inf

@@ -35,9 +35,9 @@ def _schedule(stage_fn, stages: int, count: int):
             held, outputs = carry
             inp = jnp.where(stage == 0, xs[jnp.minimum(t, count - 1)], held)
             out = stage_fn(params, inp, positions[jnp.clip(t - stage, 0, count - 1)])
-            done = t - last
-            ready = (stage == last) & (done >= 0)
-            outputs = jnp.where(ready, outputs.at[jnp.maximum(done, 0)].set(out), outputs)
+            slot = jnp.maximum(t - last, 0)
+            ready = (stage == last) & (t >= last)
+            outputs = outputs.at[slot].set(jnp.where(ready, out, outputs[slot]))  # touches one slot
             return (jax.lax.ppermute(out, AXIS, forward), outputs), None
 
         start = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs))
