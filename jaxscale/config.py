@@ -50,8 +50,8 @@ def defaults() -> ml_collections.ConfigDict:
     c.zero_stage = 0           # also shard over `data`: 1 optimizer state, 2 + gradients, 3 + parameters
     c.pipeline = dict(
         microbatches=4,        # microbatches in flight through the stages when mesh.pipeline > 1 (>= mesh.pipeline)
-        schedule="gpipe",      # gpipe
-        virtual_stages=1,      # layer chunks per device (circular schedules; 1 for gpipe)
+        schedule="gpipe",      # gpipe | circular (interleaved: each microbatch passes the stages virtual_stages times)
+        virtual_stages=1,      # layer chunks per device: 1 for gpipe, >= 2 for circular
     )
     c.sharding = dict(
         sequence_parallel=False,  # keep norms/residuals split along length over `tensor` between TP regions
@@ -227,12 +227,16 @@ def _check_rules(c, rules, sizes) -> None:
 
 def _check_pipeline(c, sizes) -> None:
     stages, p = sizes["pipeline"], c.pipeline
-    _require(p.schedule == "gpipe", "pipeline.schedule", p.schedule, "only gpipe is supported so far")
-    _require(p.virtual_stages == 1, "pipeline.virtual_stages", p.virtual_stages, "gpipe runs one stage per device; set it to 1")
+    _require(p.schedule in ("gpipe", "circular"), "pipeline.schedule", p.schedule, "choose gpipe or circular")
+    _require(p.schedule != "gpipe" or p.virtual_stages == 1, "pipeline.virtual_stages", p.virtual_stages,
+             "gpipe runs one stage per device; set it to 1 or use pipeline.schedule=circular")
+    _require(p.schedule != "circular" or p.virtual_stages > 1, "pipeline.virtual_stages", p.virtual_stages,
+             "the circular schedule needs 2 or more layer chunks per device")
     if stages == 1:
         return
-    _require(c.model.num_layers % stages == 0, "model.num_layers", c.model.num_layers,
-             f"{stages} pipeline stages need a multiple of {stages} layers")
+    chunks = stages * p.virtual_stages
+    _require(c.model.num_layers % chunks == 0, "model.num_layers", c.model.num_layers,
+             f"{stages} stages x {p.virtual_stages} virtual stages need a multiple of {chunks} layers")
     _require(p.microbatches >= stages, "pipeline.microbatches", p.microbatches,
              f"fewer microbatches than the {stages} stages leaves stages idle; use at least {stages}")
     micro = c.train.global_batch_size // c.train.grad_accum_steps

@@ -39,18 +39,19 @@ def shard_bytes(tree) -> int:
     return sum(one(x) for x in jax.tree.leaves(tree))
 
 
-def expected_bytes(n_params: int, layout: Layout) -> dict[str, float]:
+def expected_bytes(layer_params: int, other_params: int, layout: Layout) -> dict[str, float]:
     """The arithmetic: params 4N, grads 4N, Adam 8N, each divided by the devices that split it.
 
-    `fsdp` and `tensor` split everything; ZeRO adds `data` for optimizer state (stage >= 1),
-    gradients (>= 2) and parameters (3).
+    `fsdp` and `tensor` split everything, `pipeline` the stacked layers; ZeRO adds `data` for
+    optimizer state (stage >= 1), gradients (>= 2) and parameters (3).
     """
     shape, zero = layout.mesh.shape, layout.zero_stage
-    base = shape["fsdp"] * shape["tensor"]
-    split = {name: base * (shape["data"] if zero >= stage else 1) for name, stage in
-             (("params", 3), ("grads", 2), ("opt_state", 1))}
-    return {"params": 4 * n_params / split["params"], "grads": 4 * n_params / split["grads"],
-            "opt_state": 8 * n_params / split["opt_state"]}
+
+    def per_device(bytes_per_param: int, stage: int) -> float:
+        split = shape["fsdp"] * shape["tensor"] * (shape["data"] if zero >= stage else 1)
+        return bytes_per_param * (layer_params / shape["pipeline"] + other_params) / split
+
+    return {"params": per_device(4, 3), "grads": per_device(4, 2), "opt_state": per_device(8, 1)}
 
 
 def compile_plan(config, platform: str, devices=None):
@@ -72,25 +73,32 @@ def compile_plan(config, platform: str, devices=None):
     return compiled, layout, state, grad_tree, time.perf_counter() - start
 
 
+def _pipeline_summary(stages: int, pipe) -> dict:
+    if stages == 1:
+        return {"stages": 1, "schedule": None, "microbatches": None, "virtual_stages": None, "bubble_fraction": 0.0}
+    return {"stages": stages, "schedule": pipe.schedule, "microbatches": pipe.microbatches,
+            "virtual_stages": pipe.virtual_stages,
+            "bubble_fraction": bubble_fraction(stages, pipe.microbatches, pipe.virtual_stages)}
+
+
 def make_plan(config, platform: str | None = None, devices=None) -> dict:
     """The plan as a JSON-ready dict (see the module docstring), over `devices` (default: all)."""
     platform = platform or jax.default_backend()
     compiled, layout, state, grads, compile_s = compile_plan(config, platform, devices)
     memory = compiled.memory_analysis()
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+    n_layers = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params["layers"]))
     per_device = {"params": shard_bytes(state.params), "grads": shard_bytes(grads),
                   "opt_state": shard_bytes(state.opt_state), "temp": memory.temp_size_in_bytes}
     # Peak: live arguments + temporaries + outputs that do not reuse a donated input.
     per_device["total"] = (memory.argument_size_in_bytes + memory.temp_size_in_bytes
                            + memory.output_size_in_bytes - memory.alias_size_in_bytes)
-    stages, count = layout.mesh.shape["pipeline"], config.pipeline.microbatches
     return {"mesh": {k: v for k, v in layout.mesh.shape.items()}, "zero_stage": layout.zero_stage,
-            "pipeline": {"stages": stages, "microbatches": count if stages > 1 else None,
-                         "bubble_fraction": bubble_fraction(stages, count) if stages > 1 else 0.0},
+            "pipeline": _pipeline_summary(layout.mesh.shape["pipeline"], config.pipeline),
             "platform": platform, "compute_dtype": str(compute_dtype(config.model.dtype, platform)),
             "num_params": n_params, "compile_s": round(compile_s, 2), "per_device_bytes": per_device,
             "argument_bytes": memory.argument_size_in_bytes,
-            "expected_bytes": expected_bytes(n_params, layout),
+            "expected_bytes": expected_bytes(n_layers, n_params - n_layers, layout),
             "collectives": profile.collective_stats(compiled.as_text())}
 
 
@@ -129,8 +137,8 @@ def table(plan: dict) -> str:
         rows.append(f"{key:<12}{_size(plan['per_device_bytes'][key]):>14}{shown}")
     pipe = plan["pipeline"]
     if pipe["stages"] > 1:
-        rows.append(f"pipeline: gpipe, {pipe['stages']} stages x {pipe['microbatches']} microbatches, "
-                    f"bubble {100 * pipe['bubble_fraction']:.1f}% = (P-1)/(M+P-1)")
+        rows.append(f"pipeline: {pipe['schedule']}, {pipe['stages']} stages x {pipe['virtual_stages']} virtual x "
+                    f"{pipe['microbatches']} microbatches, bubble {100 * pipe['bubble_fraction']:.1f}% = (P-1)/(V*M+P-1)")
     rows.append("collectives per step:\n" + profile.summarize(plan["collectives"]))
     return "\n".join(rows)
 

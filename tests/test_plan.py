@@ -28,6 +28,7 @@ def plans():
         "zero2": ["mesh.data=8", "zero_stage=2"], "zero3": ["mesh.data=8", "zero_stage=3"],
         "data2_fsdp4": ["mesh.data=2", "mesh.fsdp=4"],
         "mixed": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "zero_stage=1"],
+        "pipeline2_fsdp2": ["mesh.data=2", "mesh.pipeline=2", "mesh.fsdp=2", "model.num_layers=4"],
     }
     return {name: _plan(*o) for name, o in layouts.items()}
 
@@ -40,7 +41,8 @@ def test_fsdp_splits_params_and_zero1_splits_only_optimizer_state(plans):
     assert zero1["params"] == dp["params"]
 
 
-@pytest.mark.parametrize("name", ["data8", "fsdp8", "zero1", "zero2", "zero3", "data2_fsdp4", "mixed"])
+@pytest.mark.parametrize("name", ["data8", "fsdp8", "zero1", "zero2", "zero3", "data2_fsdp4", "mixed",
+                                  "pipeline2_fsdp2"])
 def test_compiled_state_bytes_match_the_arithmetic(plans, name):
     plan = plans[name]
     got, want = plan["per_device_bytes"], plan["expected_bytes"]
@@ -97,5 +99,9 @@ def test_context_parallelism_cuts_activation_memory():
 def test_pipeline_bubble_is_reported():
     plan = _plan("mesh.pipeline=2", "mesh.data=4", "model.num_layers=4", "pipeline.microbatches=4",
                  "train.global_batch_size=16")
-    assert plan["pipeline"] == {"stages": 2, "microbatches": 4, "bubble_fraction": pytest.approx(1 / 5)}
+    assert plan["pipeline"] == {"stages": 2, "schedule": "gpipe", "microbatches": 4, "virtual_stages": 1,
+                                "bubble_fraction": pytest.approx(1 / 5)}
     assert plan["collectives"]["collective-permute"]["count"] > 0  # activations passed between stages
+    circular = _plan("mesh.pipeline=2", "mesh.data=4", "model.num_layers=4", "pipeline.microbatches=4",
+                     "train.global_batch_size=16", "pipeline.schedule=circular", "pipeline.virtual_stages=2")
+    assert circular["pipeline"]["bubble_fraction"] == pytest.approx(1 / 9)  # (P-1)/(V*M+P-1)

@@ -105,6 +105,17 @@ def test_gpipe_equals_one_device(deep_reference, optim_cfg, sizes):
     _assert_same(_run(_layout(spec=DEEP, **sizes), 1, optim_cfg, steps=3, spec=DEEP), deep_reference, rtol=1e-5)
 
 
+DEEPER = ModelSpec(**{**SPEC.__dict__, "num_layers": 8, "pipeline_microbatches": 4, "pipeline_virtual_stages": 2})
+
+
+@pytest.mark.parametrize("sizes", [dict(pipeline=2), dict(pipeline=4), dict(data=2, pipeline=2, tensor=2)],
+                         ids=["pipeline2", "pipeline4", "data2_pipeline2_tensor2"])
+def test_circular_equals_one_device(optim_cfg, sizes):
+    """The circular schedule (V=2) after 3 steps equals the unpipelined model."""
+    reference = _run(_layout(1, spec=DEEPER), 1, optim_cfg, steps=3, spec=DEEPER)
+    _assert_same(_run(_layout(spec=DEEPER, **sizes), 1, optim_cfg, steps=3, spec=DEEPER), reference, rtol=1e-5)
+
+
 def test_gpipe_with_accumulation(deep_reference, optim_cfg):
     _assert_same(_run(_layout(data=2, pipeline=2, spec=DEEP), 2, optim_cfg, steps=3, spec=DEEP), deep_reference, rtol=1e-5)
 

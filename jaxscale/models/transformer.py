@@ -43,13 +43,15 @@ class ModelSpec:
     attention_impl: str = "xla"       # a concrete kernel: xla | cudnn (see models.attention.resolve_impl)
     context_parallel: str = "ring"    # ring | all_gather, used when the mesh splits `sequence`
     pipeline_microbatches: int = 1    # microbatches in flight when the mesh splits `pipeline`
+    pipeline_virtual_stages: int = 1  # layer chunks per device: 1 = GPipe, >1 = circular schedule
 
     @classmethod
-    def from_config(cls, model_cfg, attention_impl: str = "xla", pipeline_microbatches: int = 1) -> "ModelSpec":
+    def from_config(cls, model_cfg, attention_impl: str = "xla", pipeline_cfg=None) -> "ModelSpec":
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in model_cfg.items() if k in names}
-        return cls(**values, attention_impl=attention_impl, context_parallel=model_cfg.attention.context_parallel,
-                   pipeline_microbatches=pipeline_microbatches)
+        pipe = {} if pipeline_cfg is None else {"pipeline_microbatches": pipeline_cfg.microbatches,
+                                                "pipeline_virtual_stages": pipeline_cfg.virtual_stages}
+        return cls(**values, attention_impl=attention_impl, context_parallel=model_cfg.attention.context_parallel, **pipe)
 
 
 def _norm(spec: ModelSpec):
@@ -107,6 +109,9 @@ class Transformer(nnx.Module):
 
         layout = active_layout()
         if layout is not None and layout.mesh.shape[pipeline.AXIS] > 1:
+            if self.spec.pipeline_virtual_stages > 1:
+                return pipeline.circular(run_layers, stacked, x_BLD, positions_BL, layout.mesh,
+                                         self.spec.pipeline_microbatches, self.spec.pipeline_virtual_stages)
             return pipeline.gpipe(run_layers, stacked, x_BLD, positions_BL, layout.mesh, self.spec.pipeline_microbatches)
         return run_layers(stacked, x_BLD, positions_BL)
 
@@ -166,5 +171,5 @@ def model_from_config(config, platform: str) -> tuple[LanguageModel, list[str]]:
 
     m = config.model
     impl, note = resolve_impl(m.attention.impl, platform, compute_dtype(m.dtype, platform), m.d_model // m.num_heads)
-    spec = ModelSpec.from_config(m, impl, config.pipeline.microbatches)
+    spec = ModelSpec.from_config(m, impl, config.pipeline)
     return LanguageModel(spec), [note] if note else []

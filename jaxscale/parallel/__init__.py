@@ -8,3 +8,8 @@ def current_mesh(mesh):
     over `data`, a pipeline stage), the context's abstract mesh, whose manual axes it inherits."""
     context = jax.sharding.get_abstract_mesh()
     return context if not context.empty and context.manual_axes else mesh
+
+
+def constrain(x, spec, mesh):
+    """with_sharding_constraint to `spec` on `mesh`, stated on the context mesh inside shard_map."""
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(current_mesh(mesh), spec))

@@ -15,14 +15,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.parallel import current_mesh, microbatch
+from jaxscale.parallel import constrain, current_mesh, microbatch
 
 AXIS = "pipeline"
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """Share of stage-ticks idle in GPipe."""
-    return (stages - 1) / (microbatches + stages - 1)
+def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> float:
+    """Share of stage-ticks idle: (P-1)/(V*M+P-1); V=1 is GPipe."""
+    return (stages - 1) / (virtual_stages * microbatches + stages - 1)
 
 
 def _schedule(stage_fn, stages: int, count: int):
@@ -58,4 +58,57 @@ def gpipe(stage_fn, stacked_params, x_BLD, positions_BL, mesh, microbatches: int
     xs, positions = microbatch.split(x_BLD, microbatches), microbatch.split(positions_BL, microbatches)
     out = jax.shard_map(local, mesh=current_mesh(mesh), in_specs=(P(AXIS), P(), P()), out_specs=P(),
                         axis_names={AXIS}, check_vma=False)(stacked_params, xs, positions)
+    return microbatch.merge(out)
+
+
+def _circular_schedule(stage_fn, stages: int, count: int, repeats: int):
+    """The per-device circular loop: each microbatch passes the ring of stages `repeats` times.
+
+    Stage p at tick t works on microbatch (t-p) mod M in round (t-p) // M with its round's layer
+    chunk. What leaves the last stage comes back to stage 0, which parks it until its turn
+    (needs M >= P); outputs are taken from the last stage in the final round.
+    """
+    def local(params, xs, positions):
+        stage, last, total = jax.lax.axis_index(AXIS), stages - 1, count * repeats
+        ring = [(i, (i + 1) % stages) for i in range(stages)]
+
+        def tick(carry, t):
+            held, parked, outputs = carry
+            parked = parked.at[(t - stages) % count].set(held)  # stage 0 keeps what came round
+            fresh = xs[jnp.minimum(t, count - 1)]
+            inp = jnp.where(stage == 0, jnp.where(t < count, fresh, parked[t % count]), held)
+            work = jnp.clip(t - stage, 0, total - 1)
+            chunk = jax.tree.map(lambda p: p[work // count], params)
+            out = stage_fn(chunk, inp, positions[work % count])
+            slot = jnp.clip(t - last - (repeats - 1) * count, 0, count - 1)
+            ready = (stage == last) & (t - last >= (repeats - 1) * count)
+            outputs = outputs.at[slot].set(jnp.where(ready, out, outputs[slot]))
+            return (jax.lax.ppermute(out, AXIS, ring), parked, outputs), None
+
+        start = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs), jnp.zeros_like(xs))
+        (_, _, outputs), _ = jax.lax.scan(tick, start, jnp.arange(total + stages - 1))
+        return jax.lax.psum(outputs, AXIS)
+
+    return local
+
+
+def circular(stage_fn, stacked_params, x_BLD, positions_BL, mesh, microbatches: int, repeats: int):
+    """The circular (interleaved) schedule: layer chunk v*P+p runs on device p in round v.
+
+    Parameters are stored in their one layout (layers split contiguously over `pipeline`); the
+    step regroups them [V, P, L/(PV)] with the P dimension on `pipeline`, one all-to-all of the
+    layer weights per step, and the gradients take the reverse path.
+    """
+    stages = mesh.shape[AXIS]
+
+    def regroup(p):
+        p = p.reshape(repeats, stages, p.shape[0] // (repeats * stages), *p.shape[1:])
+        return constrain(p, P(None, AXIS), mesh)
+
+    grouped = jax.tree.map(regroup, stacked_params)
+    local = _circular_schedule(jax.checkpoint(stage_fn), stages, microbatches, repeats)
+    xs, positions = microbatch.split(x_BLD, microbatches), microbatch.split(positions_BL, microbatches)
+    squeeze = lambda params, xs, pos: local(jax.tree.map(lambda p: p[:, 0], params), xs, pos)
+    out = jax.shard_map(squeeze, mesh=current_mesh(mesh), in_specs=(P(None, AXIS), P(), P()), out_specs=P(),
+                        axis_names={AXIS}, check_vma=False)(grouped, xs, positions)
     return microbatch.merge(out)
