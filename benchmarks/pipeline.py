@@ -16,12 +16,13 @@ import os
 import sys
 
 
-def _config(stages: int, count: int, batch: int):
+def _config(stages: int, count: int, batch: int, virtual: int):
     from jaxscale import config as config_lib
 
     config = config_lib.load("configs/tiny.py")
     config_lib.apply_overrides(config, [
-        "mesh.data=1", f"mesh.pipeline={stages}", f"pipeline.microbatches={count}", "model.num_layers=4",
+        "mesh.data=1", f"mesh.pipeline={stages}", f"pipeline.microbatches={count}", f"model.num_layers={4 * virtual}",
+        f"pipeline.schedule={'circular' if virtual > 1 else 'gpipe'}", f"pipeline.virtual_stages={virtual}",
         f"train.global_batch_size={batch}", "train.seq_len=256", "data.source=synthetic",
         "metrics.progress=False", "metrics.tensorboard=False", "model.dtype=float32"])
     return config
@@ -65,6 +66,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--microbatches", default="2,4,8,16")
     parser.add_argument("--steps", type=int, default=9, help="timed rounds; each runs one step per M")
+    parser.add_argument("--virtual_stages", type=int, default=1, help="1: gpipe; >1: the circular schedule")
     parser.add_argument("--append", action="store_true")
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.stages}"
@@ -75,18 +77,21 @@ def main() -> None:
 
     counts = [int(x) for x in args.microbatches.split(",")]
     batch = max(counts)
-    times = _interleaved({m: _stepper(_config(args.stages, m, batch)) for m in counts}, args.steps)
+    v = args.virtual_stages
+    times = _interleaved({m: _stepper(_config(args.stages, m, batch, v)) for m in counts}, args.steps)
     import numpy as np
 
-    slope, work = np.polyfit([1 / m for m in counts], [times[m] for m in counts], 1)  # work: t at M -> inf
-    rows = [f"### gpipe: tiny model (4 layers, seq 256), P={args.stages} on {args.stages} x cpu, "
+    # GPipe/circular: t(M) = c + c(P-1)/(V M): fit t against 1/M; c is the bubble-free time.
+    slope, work = np.polyfit([1 / m for m in counts], [times[m] for m in counts], 1)
+    name = f"circular V={v}" if v > 1 else "gpipe"
+    rows = [f"### {name}: tiny model ({4 * v} layers, seq 256), P={args.stages} on {args.stages} x cpu, "
             f"global batch {batch}, {datetime.date.today()}", "",
-            "| microbatches M | median step | measured idle share | formula (P-1)/(M+P-1) |", "|---|---|---|---|"]
+            "| microbatches M | median step | measured idle share | formula (P-1)/(V*M+P-1) |", "|---|---|---|---|"]
     for m in counts:
         rows.append(f"| {m} | {times[m] * 1e3:,.0f} ms | {1 - work / times[m]:.2f} | "
-                    f"{bubble_fraction(args.stages, m):.2f} |")
-    rows.append(f"\nFit: t(M) = {work * 1e3:,.0f} ms + {slope * 1e3:,.0f} ms / M, i.e. P-1 = {slope / work:.2f} "
-                f"(formula {args.stages - 1}).")
+                    f"{bubble_fraction(args.stages, m, v):.2f} |")
+    rows.append(f"\nFit: t(M) = {work * 1e3:,.0f} ms + {slope * 1e3:,.0f} ms / M, i.e. (P-1)/V = {slope / work:.2f} "
+                f"(formula {(args.stages - 1) / v:.2f}).")
     text = "\n".join(rows)
     print(text)
     if args.append:
