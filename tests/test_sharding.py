@@ -52,6 +52,7 @@ LAYOUTS = {
     "data2_tensor4": dict(data=2, tensor=4),
     "zero1_data8": dict(data=8, zero_stage=1),
     "zero3_data8": dict(data=8, zero_stage=3),
+    "pipeline2_fsdp4": dict(pipeline=2, fsdp=4),
 }
 # Expected specs of a few parameters (and their Adam moments) under each layout.
 EXPECTED = {
@@ -62,6 +63,9 @@ EXPECTED = {
                       "mu_wq": P(None, None, "tensor")},
     "zero1_data8": {"wq": P(), "w_down": P(), "embed": P(), "mu_wq": P(None, "data")},
     "zero3_data8": {"wq": P(None, "data"), "w_down": P(None, "data"), "embed": P("data"), "mu_wq": P(None, "data")},
+    # the layer dimension is split over pipeline: each device's contiguous block of layers is its stage
+    "pipeline2_fsdp4": {"wq": P("pipeline", "fsdp"), "w_down": P("pipeline", None, "fsdp"), "embed": P(None, "fsdp"),
+                        "mu_wq": P("pipeline", "fsdp")},
 }
 
 
