@@ -72,6 +72,10 @@ def defaults() -> ml_collections.ConfigDict:
         tokenizer="bytes",     # bytes | path/to/tokenizer.json | tiktoken:NAME
         text_field="text", token_dtype="uint16", val_fraction=0.05, num_threads=2,
     )
+    c.checkpoint = dict(
+        every_steps=500,       # async save every N steps (0 = only at the end); always saved at the last step
+        max_to_keep=3,         # committed checkpoints kept in WORKDIR/checkpoints
+    )
     c.metrics = dict(
         tensorboard=True, progress=True,
         peak_tflops=0.0,       # per-device dense peak for MFU; 0 = look the device up in the table
@@ -182,10 +186,10 @@ def _check_positive(c) -> None:
                   "model.d_ff", "model.vocab_size", "model.max_seq_len", "train.steps",
                   "train.global_batch_size", "train.seq_len", "train.grad_accum_steps",
                   "train.log_every", "train.eval_batches", "optim.lr", "data.num_threads",
-                  "pipeline.microbatches", "pipeline.virtual_stages"):
+                  "pipeline.microbatches", "pipeline.virtual_stages", "checkpoint.max_to_keep"):
         section, key = field.split(".")
         _require(c[section][key] > 0, field, c[section][key], "must be > 0")
-    for field in ("train.eval_every", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
+    for field in ("checkpoint.every_steps", "train.eval_every", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
                   "optim.min_lr_ratio", "metrics.peak_tflops", "train.seed"):
         section, key = field.split(".")
         _require(c[section][key] >= 0, field, c[section][key], "must be >= 0")

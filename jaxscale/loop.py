@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jaxscale import config as config_lib
 from jaxscale import metrics as metrics_lib
 from jaxscale import state as state_lib
+from jaxscale.checkpoint import Checkpointer
 from jaxscale.data import Data, make_data
 from jaxscale.mesh import granule_count
 from jaxscale.models import LanguageModel, model_from_config
@@ -115,16 +116,25 @@ def _record(run: Run, step: int, metrics: dict, step_time: float) -> dict:
             "mfu": metrics_lib.mfu(tokens_per_sec, run.flops_per_token, run.layout.mesh.size, run.peak_tflops)}
 
 
-def run_steps(run: Run, display: ProgressDisplay, writer: metrics_lib.MetricsWriter) -> list[dict]:
-    """Train from run.state.step to train.steps; returns the logged records."""
+def run_steps(run: Run, display: ProgressDisplay, writer: metrics_lib.MetricsWriter,
+              checkpointer: Checkpointer | None = None, until: int | None = None, data_step: int | None = None) -> list[dict]:
+    """Train from run.state.step to train.steps (or `until`); returns the logged records.
+
+    Saves a checkpoint when one is due and at the last step run. `data_step` is the step whose
+    batch comes next (default: the state's step).
+    """
     t = run.config.train
     compiled, compile_s = compile_step(run)
     display.print(f"compiled the train step in {compile_s:.1f}s")
     val = run.data.val_batches(t.eval_batches) if t.eval_every else []
     start = int(jax.device_get(run.state.step))
+    last = min(t.steps, until or t.steps)
     timer, records = _Timer(start), []
-    for step, batch in zip(range(start + 1, t.steps + 1), run.data.train_batches(start)):
+    batches = run.data.train_batches(start if data_step is None else data_step)
+    for step, batch in zip(range(start + 1, last + 1), batches):
         run.state, metrics = compiled(run.state, batch)
+        if checkpointer is not None:
+            checkpointer.save(step, run.state, {"global_sample": step * t.global_batch_size}, final=step == last)
         if not _is_log_step(step, t):
             continue
         record = _record(run, step, jax.device_get(metrics), timer.lap(step))
@@ -137,6 +147,18 @@ def run_steps(run: Run, display: ProgressDisplay, writer: metrics_lib.MetricsWri
     return records
 
 
+def resume(run: Run, checkpointer: Checkpointer, display: ProgressDisplay) -> int | None:
+    """Load the latest committed checkpoint into run.state; returns the data step to continue from."""
+    restored = checkpointer.restore(run.shardings, run.state)
+    if restored is None:
+        return None
+    run.state, position = restored
+    step = int(jax.device_get(run.state.step))
+    display.print(f"resuming from step {step} (checkpoint {checkpointer.latest_step()}, "
+                  f"global sample {position['global_sample']:,})")
+    return position["global_sample"] // run.config.train.global_batch_size
+
+
 def _summary(run: Run, workdir: Path) -> str:
     params = sum(x.size for x in jax.tree.leaves(run.state.params))
     mesh = " ".join(f"{k}={v}" for k, v in run.layout.mesh.shape.items() if v > 1) or "1 device"
@@ -146,22 +168,26 @@ def _summary(run: Run, workdir: Path) -> str:
             f"workdir {workdir}")
 
 
-def train(config, workdir: str | Path, show_progress: bool = True) -> list[dict]:
-    """Train as the config says, writing config.json, metrics.jsonl and TensorBoard events."""
+def train(config, workdir: str | Path, show_progress: bool = True, until: int | None = None) -> list[dict]:
+    """Train as the config says, writing config.json, metrics.jsonl, TensorBoard events and
+    checkpoints; the same call on the same workdir resumes from the latest committed checkpoint.
+    `until` stops after that step (the run can be continued by calling again)."""
     workdir = Path(workdir)
     run = setup(config)
     main = jax.process_index() == 0
     if main:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.json").write_text(config_lib.to_json(config))
-    display = ProgressDisplay(config.train.steps, int(run.state.step), main and config.metrics.progress,
-                              show_bar=show_progress)
+    display = ProgressDisplay(config.train.steps, 0, main and config.metrics.progress, show_bar=show_progress)
     writer = metrics_lib.MetricsWriter(workdir, main, config.metrics.tensorboard)
+    checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint)
     try:
         display.print(_summary(run, workdir))
         for note in run.notes:
             display.print(f"note: {note}")
-        return run_steps(run, display, writer)
+        data_step = resume(run, checkpointer, display)
+        return run_steps(run, display, writer, checkpointer, until, data_step)
     finally:
+        checkpointer.close()
         writer.close()
         display.close()

@@ -31,8 +31,11 @@ def test_zigzag_pairs_head_and_tail_chunks():
 
 
 @pytest.mark.parametrize("mode", ["ring", "all_gather"])
-@pytest.mark.parametrize("shards", [2, 4, 8])
-@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (6, 2), (3, 1), (5, 5)])
+@pytest.mark.parametrize("shards, heads, kv_heads", [
+    (2, 6, 2), (2, 5, 5),   # grouped-query; odd head count
+    (4, 3, 1), (4, 4, 4),   # multi-query with an odd head count; plain multi-head
+    (8, 6, 2), (8, 5, 5),
+])
 def test_matches_reference_forward_and_grads(mode, shards, heads, kv_heads):
     mesh = make_layout(sequence=shards).mesh
     q, k, v = _inputs(heads, kv_heads)
