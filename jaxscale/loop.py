@@ -48,16 +48,20 @@ def _peak(config) -> float | None:
     return config.metrics.peak_tflops or metrics_lib.peak_tflops(jax.devices()[0].device_kind)
 
 
-def setup(config, devices=None) -> Run:
+def setup(config, devices=None, init: bool = True) -> Run:
     """Validate, then build mesh, model, data, sharded state and the jitted steps (on all devices
-    unless given a subset)."""
+    unless given a subset). With init=False the state is left abstract (ShapeDtypeStructs), to be
+    restored from a checkpoint without first allocating a fresh one."""
     devices = list(devices or jax.devices())
     config_lib.validate(config, len(devices), granule_count(devices))
     layout, notes = layout_from_config(config, devices)
     model, model_notes = model_from_config(config, jax.default_backend())
     tx, schedule = make_optimizer(config.optim, config.train.steps)
     data = make_data(config, layout.batch_sharding())
-    state, shardings = state_lib.init(model, tx, config.train.seed, layout)
+    if init:
+        state, shardings = state_lib.init(model, tx, config.train.seed, layout)
+    else:
+        state, shardings = state_lib.abstract(model, tx, layout), state_lib.shardings(model, tx, layout)
     dtype = compute_dtype(config.model.dtype)
     n = metrics_lib.non_embedding_params(state.params)
     step = jit_train_step(model, tx, schedule, dtype, config.train.grad_accum_steps, layout, shardings,
@@ -173,14 +177,14 @@ def train(config, workdir: str | Path, show_progress: bool = True, until: int | 
     checkpoints; the same call on the same workdir resumes from the latest committed checkpoint.
     `until` stops after that step (the run can be continued by calling again)."""
     workdir = Path(workdir)
-    run = setup(config)
+    checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint)
+    run = setup(config, init=checkpointer.latest_step() is None)  # never hold a fresh and a restored state
     main = jax.process_index() == 0
     if main:
         workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.json").write_text(config_lib.to_json(config))
     display = ProgressDisplay(config.train.steps, 0, main and config.metrics.progress, show_bar=show_progress)
     writer = metrics_lib.MetricsWriter(workdir, main, config.metrics.tensorboard)
-    checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint)
     try:
         display.print(_summary(run, workdir))
         for note in run.notes:
