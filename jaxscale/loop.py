@@ -177,8 +177,17 @@ def train(config, workdir: str | Path, show_progress: bool = True, until: int | 
     checkpoints; the same call on the same workdir resumes from the latest committed checkpoint.
     `until` stops after that step (the run can be continued by calling again)."""
     workdir = Path(workdir)
+    config_lib.validate(config, jax.device_count(), granule_count(jax.devices()))  # before touching the workdir
     checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint)
-    run = setup(config, init=checkpointer.latest_step() is None)  # never hold a fresh and a restored state
+    try:
+        run = setup(config, init=checkpointer.latest_step() is None)  # never hold a fresh and a restored state
+        return _train(run, workdir, checkpointer, show_progress, until)
+    finally:
+        checkpointer.close()
+
+
+def _train(run: Run, workdir: Path, checkpointer: Checkpointer, show_progress: bool, until: int | None) -> list[dict]:
+    config = run.config
     main = jax.process_index() == 0
     if main:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -192,6 +201,5 @@ def train(config, workdir: str | Path, show_progress: bool = True, until: int | 
         data_step = resume(run, checkpointer, display)
         return run_steps(run, display, writer, checkpointer, until, data_step)
     finally:
-        checkpointer.close()
         writer.close()
         display.close()
