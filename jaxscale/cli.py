@@ -1,6 +1,7 @@
 """What every jaxscale command line shares: absl-style config flags and exit codes.
 
-Exit codes: 0 done, 2 bad input (one line on stderr), 1 anything else.
+Exit codes: 0 done (also after a preemption checkpoint), 2 bad input (one line on stderr),
+1 anything else (a RunError is one line too).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from jaxscale.errors import ConfigError
+from jaxscale.errors import ConfigError, RunError
 
 
 def parse_flags(argv: list[str], usage: str, extra: dict[str, type]) -> tuple[str, list[str], dict]:
@@ -63,4 +64,7 @@ def main(command: Callable[[object, str, dict], None], usage: str, extra: dict[s
     except ConfigError as error:
         print(f"jaxscale: error: {error}", file=sys.stderr)
         return 2
+    except RunError as error:
+        print(f"jaxscale: error: {error}", file=sys.stderr)
+        return 1
     return 0

@@ -16,6 +16,7 @@ from pathlib import Path
 import ml_collections
 
 from jaxscale.errors import ConfigError
+from jaxscale.guard import SPIKE_ACTIONS
 from jaxscale.mesh import AXES, BATCH_AXES, axis_sizes
 from jaxscale.sharding import DEFAULT_RULES, rules_from_config
 
@@ -74,10 +75,25 @@ def defaults() -> ml_collections.ConfigDict:
     )
     c.checkpoint = dict(
         every_steps=500,       # async save every N steps (0 = only at the end); always saved at the last step
-        max_to_keep=3,         # committed checkpoints kept in WORKDIR/checkpoints
+        every_minutes=0.0,     # also save when this many minutes have passed since the last save (0 = off)
+        max_to_keep=3,         # the newest committed checkpoints kept in WORKDIR/checkpoints
+        keep_every=0,          # also keep, forever, every checkpoint whose step is a multiple of this (0 = off)
+        resume_from="",        # when WORKDIR has no checkpoint: another run's workdir, checkpoints dir or step dir
+                               # to continue (state and data position); "none" = never resume
+        init_from="",          # when WORKDIR has no checkpoint: take only the parameters from this checkpoint
+                               # (fine-tuning: fresh optimizer, step 0, data from the start)
+        preemption_timeout_s=120.0,  # after SIGTERM/SIGINT, exit 1 if the final checkpoint has not committed by then
+    )
+    c.guard = dict(
+        skip_nonfinite=True,   # a NaN/inf loss or gradient skips the update (inside the step; counted in metrics)
+        spike_threshold=0.0,   # a loss this many std devs above the recent window's mean is a spike (0 = off)
+        spike_window=100,      # recent losses the spike test compares against; it acts once the window is full
+        spike_action="skip",   # skip: drop that update | rollback: reload the last checkpoint before the spike
+                               # and continue with the batches after it
     )
     c.metrics = dict(
-        tensorboard=True, progress=True,
+        tensorboard=True,
+        progress=True,         # a console line per logged step (and a bar on a terminal); notes and warnings always print
         peak_tflops=0.0,       # per-device dense peak for MFU; 0 = look the device up in the table
     )
     return c
@@ -177,7 +193,8 @@ def _check_choices(c) -> None:
                                   ("data.source", c.data.source, SOURCES),
                                   ("model.attention.impl", c.model.attention.impl, ATTENTION_IMPLS),
                                   ("model.attention.context_parallel", c.model.attention.context_parallel,
-                                   CONTEXT_PARALLEL)):
+                                   CONTEXT_PARALLEL),
+                                  ("guard.spike_action", c.guard.spike_action, SPIKE_ACTIONS)):
         _require(value in choices, field, value, f"choose one of {', '.join(choices)}")
 
 
@@ -186,10 +203,12 @@ def _check_positive(c) -> None:
                   "model.d_ff", "model.vocab_size", "model.max_seq_len", "train.steps",
                   "train.global_batch_size", "train.seq_len", "train.grad_accum_steps",
                   "train.log_every", "train.eval_batches", "optim.lr", "data.num_threads",
-                  "pipeline.microbatches", "pipeline.virtual_stages", "checkpoint.max_to_keep"):
+                  "pipeline.microbatches", "pipeline.virtual_stages", "checkpoint.max_to_keep",
+                  "checkpoint.preemption_timeout_s", "guard.spike_window"):
         section, key = field.split(".")
         _require(c[section][key] > 0, field, c[section][key], "must be > 0")
-    for field in ("checkpoint.every_steps", "train.eval_every", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
+    for field in ("checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.keep_every",
+                  "guard.spike_threshold", "train.eval_every", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
                   "optim.min_lr_ratio", "metrics.peak_tflops", "train.seed"):
         section, key = field.split(".")
         _require(c[section][key] >= 0, field, c[section][key], "must be >= 0")
@@ -288,6 +307,18 @@ def validate(config, device_count: int, granules: int = 1) -> None:
              "data.path is set: use data.source=file (or auto), or clear data.path")
     _require(config.data.source != "file" or bool(config.data.path), "data.path", config.data.path,
              "data.source=file needs --config.data.path=FILE")
+    _check_checkpoint_sources(config.checkpoint)
+
+
+def _check_checkpoint_sources(ckpt) -> None:
+    _require(not (ckpt.init_from and ckpt.resume_from), "checkpoint.init_from", ckpt.init_from,
+             f"checkpoint.resume_from={ckpt.resume_from!r} is set too; choose one (resume: state and data "
+             "position; init: parameters only)")
+    for field in ("resume_from", "init_from"):
+        path = ckpt[field]
+        if path and not (field == "resume_from" and path == "none"):
+            _require(Path(path).exists(), f"checkpoint.{field}", path,
+                     "no such path; give a workdir, its checkpoints/ dir or one step's dir")
 
 
 def to_json(config) -> str:

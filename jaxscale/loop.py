@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 import jax
@@ -12,15 +15,21 @@ from jax.sharding import NamedSharding
 
 from jaxscale import config as config_lib
 from jaxscale import metrics as metrics_lib
+from jaxscale import resume
 from jaxscale import state as state_lib
-from jaxscale.checkpoint import Checkpointer
+from jaxscale.checkpoint import CHECKPOINTS, Checkpointer
 from jaxscale.data import Data, make_data
+from jaxscale.guard import GuardSpec
 from jaxscale.mesh import granule_count
 from jaxscale.models import LanguageModel, model_from_config
 from jaxscale.optim import make_optimizer
+from jaxscale.preemption import PreemptionWatch
 from jaxscale.progress import ProgressDisplay
 from jaxscale.sharding import Layout, layout_from_config
 from jaxscale.step import compute_dtype, jit_eval_step, jit_train_step
+from jaxscale.workdir import WorkdirLock
+
+VERSIONS = {"jaxscale": version("jaxscale"), "jax": jax.__version__, "orbax": version("orbax-checkpoint")}
 
 
 @dataclasses.dataclass
@@ -30,6 +39,8 @@ class Run:
     config: object
     layout: Layout
     model: LanguageModel
+    tx: object           # the optax optimizer
+    guard: GuardSpec
     data: Data
     state: state_lib.TrainState
     shardings: state_lib.TrainState
@@ -57,17 +68,18 @@ def setup(config, devices=None, init: bool = True) -> Run:
     layout, notes = layout_from_config(config, devices)
     model, model_notes = model_from_config(config, jax.default_backend())
     tx, schedule = make_optimizer(config.optim, config.train.steps)
+    guard = GuardSpec.from_config(config.guard)
     data = make_data(config, layout.batch_sharding())
     if init:
-        state, shardings = state_lib.init(model, tx, config.train.seed, layout)
+        state, shardings = state_lib.init(model, tx, config.train.seed, layout, guard)
     else:
-        state, shardings = state_lib.abstract(model, tx, layout), state_lib.shardings(model, tx, layout)
+        state, shardings = state_lib.abstract(model, tx, layout, guard)
     dtype = compute_dtype(config.model.dtype)
     n = metrics_lib.non_embedding_params(state.params)
     step = jit_train_step(model, tx, schedule, dtype, config.train.grad_accum_steps, layout, shardings,
-                          state_lib.grad_shardings(model, layout))
-    return Run(config=config, layout=layout, notes=notes + model_notes, model=model, data=data, state=state,
-               shardings=shardings, train_step=step,
+                          state_lib.grad_shardings(model, layout), guard)
+    return Run(config=config, layout=layout, notes=notes + model_notes, model=model, tx=tx, guard=guard, data=data,
+               state=state, shardings=shardings, train_step=step,
                eval_step=jit_eval_step(model, dtype, layout, shardings.params),
                flops_per_token=metrics_lib.flops_per_token(model.spec, n, config.train.seq_len),
                peak_tflops=_peak(config))
@@ -112,55 +124,127 @@ class _Timer:
         self.time = time.perf_counter()
 
 
-def _record(run: Run, step: int, metrics: dict, step_time: float) -> dict:
+def _record(run: Run, step: int, metrics: dict, step_time: float, batches_seen: int) -> dict:
     tokens_per_sec = float(metrics["tokens"]) / step_time
     return {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
-            "lr": float(metrics["lr"]), "tokens": step * int(metrics["tokens"]),
+            "lr": float(metrics["lr"]), "tokens": batches_seen * int(metrics["tokens"]),
             "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
-            "mfu": metrics_lib.mfu(tokens_per_sec, run.flops_per_token, run.layout.mesh.size, run.peak_tflops)}
+            "mfu": metrics_lib.mfu(tokens_per_sec, run.flops_per_token, run.layout.mesh.size, run.peak_tflops),
+            "nonfinite_skips": int(metrics["nonfinite_skips"]), "spike_skips": int(metrics["spike_skips"])}
 
 
-def run_steps(run: Run, display: ProgressDisplay, writer: metrics_lib.MetricsWriter,
-              checkpointer: Checkpointer | None = None, until: int | None = None, data_step: int | None = None) -> list[dict]:
-    """Train from run.state.step to train.steps (or `until`); returns the logged records.
+@dataclasses.dataclass
+class Session:
+    """A run training on its workdir: what the step loop reads and writes between steps."""
 
-    Saves a checkpoint when one is due and at the last step run. `data_step` is the step whose
-    batch comes next (default: the state's step).
-    """
-    t = run.config.train
+    run: Run
+    checkpointer: Checkpointer
+    writer: metrics_lib.MetricsWriter
+    display: ProgressDisplay
+    preemption: PreemptionWatch
+    data_step: int = 0   # index of the next training batch (ahead of state.step after a rollback)
+    rollbacks: int = 0
+
+    def position(self) -> dict:
+        """The data position saved with a checkpoint: independent of devices and processes."""
+        return {"global_sample": self.data_step * self.run.config.train.global_batch_size,
+                "rollbacks": self.rollbacks}
+
+    def save(self, step: int) -> None:
+        run = self.run
+        meta = {"tokens_seen": self.data_step * run.config.train.global_batch_size * run.config.train.seq_len,
+                "mesh": dict(run.layout.mesh.shape), "zero_stage": run.layout.zero_stage,
+                "devices": run.layout.mesh.size, "processes": jax.process_count(), "versions": VERSIONS}
+        self.checkpointer.save(step, run.state, self.position(), meta, run.config.to_dict())
+
+
+def _current_step(run: Run) -> int:
+    return int(jax.device_get(run.state.step))
+
+
+def run_steps(session: Session, until: int | None = None) -> list[dict]:
+    """Train from the state's step to train.steps (or `until`), saving when due and at the last
+    step run; returns the logged records. Stops early, after saving, when preempted."""
+    run, t = session.run, session.run.config.train
     compiled, compile_s = compile_step(run)
-    display.print(f"compiled the train step in {compile_s:.1f}s")
+    session.display.print(f"compiled the train step in {compile_s:.1f}s")
     val = run.data.val_batches(t.eval_batches) if t.eval_every else []
-    start = int(jax.device_get(run.state.step))
-    last = min(t.steps, until or t.steps)
-    timer, records = _Timer(start), []
-    batches = run.data.train_batches(start if data_step is None else data_step)
-    for step, batch in zip(range(start + 1, last + 1), batches):
-        run.state, metrics = compiled(run.state, batch)
-        if checkpointer is not None:
-            checkpointer.save(step, run.state, {"global_sample": step * t.global_batch_size}, final=step == last)
-        if not _is_log_step(step, t):
-            continue
-        record = _record(run, step, jax.device_get(metrics), timer.lap(step))
-        if _is_eval_step(step, t):
-            record["val_loss"] = evaluate(run, val)
-            timer.restart()  # evaluation time is not step time
-        writer.write(record)
-        display.update(record)
-        records.append(record)
+    last, records = min(t.steps, until or t.steps), []
+    while _current_step(run) < last and _steps(session, compiled, val, last, records) == "rollback":
+        pass
     return records
 
 
-def resume(run: Run, checkpointer: Checkpointer, display: ProgressDisplay) -> int | None:
-    """Load the latest committed checkpoint into run.state; returns the data step to continue from."""
-    restored = checkpointer.restore(run.shardings, run.state)
+def _steps(session: Session, compiled, val, last: int, records: list[dict]) -> str:
+    """Steps until `last`; returns done | preempted | rollback."""
+    run, t = session.run, session.run.config.train
+    start = _current_step(run)
+    timer, batches = _Timer(start), run.data.train_batches(session.data_step)
+    try:
+        for step, batch in zip(range(start + 1, last + 1), batches):
+            run.state, metrics = compiled(run.state, batch)
+            session.data_step += 1
+            stop = session.preemption.reached(step)
+            if stop or step == last or session.checkpointer.due(step):
+                session.save(step)
+            if run.guard.spike_action == "rollback" and bool(metrics["spike"]) and _rollback(session, step):
+                return "rollback"
+            if stop or _is_log_step(step, t):
+                records.append(_log(session, step, metrics, timer, val))
+            if stop:
+                _finish_preemption(session, step)
+                return "preempted"
+        return "done"
+    finally:
+        batches.close()
+
+
+def _log(session: Session, step: int, metrics: dict, timer: _Timer, val) -> dict:
+    run = session.run
+    record = _record(run, step, jax.device_get(metrics), timer.lap(step), session.data_step)
+    if _is_eval_step(step, run.config.train):
+        record["val_loss"] = evaluate(run, val)
+        timer.restart()  # evaluation time is not step time
+    session.checkpointer.check()  # a background save that failed stops the run here
+    session.writer.write(record)
+    session.display.update(record)
+    return record
+
+
+def _rollback(session: Session, step: int) -> bool:
+    """Reload the newest checkpoint before a loss spike at `step` and continue with the batches
+    after the spike; False (the spike's update stays skipped) when there is none."""
+    run, say = session.run, session.display.print
+    session.checkpointer.wait()
+    restored = session.checkpointer.restore(run.state, step=None, before=step, warn=say)
     if restored is None:
-        return None
-    run.state, position = restored
-    step = int(jax.device_get(run.state.step))
-    display.print(f"resuming from step {step} (checkpoint {checkpointer.latest_step()}, "
-                  f"global sample {position['global_sample']:,})")
-    return position["global_sample"] // run.config.train.global_batch_size
+        say(f"warning: loss spike at step {step}; no checkpoint before it to roll back to, its update was skipped")
+        return False
+    run.state, session.rollbacks = restored.state, session.rollbacks + 1
+    session.checkpointer.discard_after(restored.step)  # the abandoned trajectory's saves
+    skipped = session.data_step - restored.position["global_sample"] // run.config.train.global_batch_size
+    say(f"rollback: loss spike at step {step}; restored step {restored.step} and skip the {skipped} batches "
+        f"trained on since it (next batch: {session.data_step})")
+    return True
+
+
+def _finish_preemption(session: Session, step: int) -> None:
+    """Wait for the checkpoint of `step` to commit, within the configured time."""
+    watch, say = session.preemption, session.display.print
+    say(f"{watch.signal_name}: stopping after step {step}; saving it (at most "
+        f"{watch.timeout_s:.0f}s after the signal)")
+    watch.start_deadline(lambda: _expire(session))
+    session.checkpointer.wait()
+    say(f"checkpoint of step {step} committed {watch.elapsed():.1f}s after {watch.signal_name}; "
+        "run the same command to resume")
+
+
+def _expire(session: Session) -> None:
+    latest = session.checkpointer.latest_step()
+    print(f"jaxscale: error: the checkpoint did not commit within checkpoint.preemption_timeout_s="
+          f"{session.preemption.timeout_s}; exiting without it (step {latest} is the latest committed)",
+          file=sys.stderr, flush=True)
+    os._exit(1)
 
 
 def _summary(run: Run, workdir: Path) -> str:
@@ -172,34 +256,41 @@ def _summary(run: Run, workdir: Path) -> str:
             f"workdir {workdir}")
 
 
-def train(config, workdir: str | Path, show_progress: bool = True, until: int | None = None) -> list[dict]:
-    """Train as the config says, writing config.json, metrics.jsonl, TensorBoard events and
-    checkpoints; the same call on the same workdir resumes from the latest committed checkpoint.
-    `until` stops after that step (the run can be continued by calling again)."""
-    workdir = Path(workdir)
-    config_lib.validate(config, jax.device_count(), granule_count(jax.devices()))  # before touching the workdir
-    checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint)
-    try:
-        run = setup(config, init=checkpointer.latest_step() is None)  # never hold a fresh and a restored state
-        return _train(run, workdir, checkpointer, show_progress, until)
-    finally:
-        checkpointer.close()
+def train(config, workdir: str | Path, show_progress: bool = True, until: int | None = None,
+          devices=None) -> list[dict]:
+    """Train as the config says (on all devices, or the given ones), writing config.json,
+    metrics.jsonl, TensorBoard events and checkpoints; the same call on the same workdir resumes
+    from the latest committed checkpoint. `until` stops after that step (call again to go on).
+    SIGTERM/SIGINT stop after the step in flight with a checkpoint of it."""
+    workdir, devices = Path(workdir), list(devices or jax.devices())
+    config_lib.validate(config, len(devices), granule_count(devices))  # before touching the workdir
+    with WorkdirLock(workdir), PreemptionWatch(config.checkpoint.preemption_timeout_s) as preemption:
+        checkpointer = Checkpointer(workdir / CHECKPOINTS, config.checkpoint)
+        try:
+            start = resume.choose(config, checkpointer)
+            run = setup(config, devices, init=start.kind == "fresh")  # never hold a fresh and a restored state
+            return _train(run, workdir, checkpointer, preemption, start, show_progress, until)
+        finally:
+            checkpointer.close()
 
 
-def _train(run: Run, workdir: Path, checkpointer: Checkpointer, show_progress: bool, until: int | None) -> list[dict]:
+def _train(run: Run, workdir: Path, checkpointer: Checkpointer, preemption: PreemptionWatch, start: resume.Start,
+           show_progress: bool, until: int | None) -> list[dict]:
     config = run.config
     main = jax.process_index() == 0
     if main:
-        workdir.mkdir(parents=True, exist_ok=True)
         (workdir / "config.json").write_text(config_lib.to_json(config))
-    display = ProgressDisplay(config.train.steps, 0, main and config.metrics.progress, show_bar=show_progress)
+    display = ProgressDisplay(config.train.steps, 0, main, show_bar=show_progress, show_steps=config.metrics.progress)
     writer = metrics_lib.MetricsWriter(workdir, main, config.metrics.tensorboard)
     try:
         display.print(_summary(run, workdir))
         for note in run.notes:
             display.print(f"note: {note}")
-        data_step = resume(run, checkpointer, display)
-        return run_steps(run, display, writer, checkpointer, until, data_step)
+        data_step = resume.apply(start, run, display.print)
+        session = Session(run, checkpointer, writer, display, preemption, data_step)
+        return run_steps(session, until)
     finally:
         writer.close()
         display.close()
+
+

@@ -20,6 +20,7 @@ from jaxscale import cli
 from jaxscale import config as config_lib
 from jaxscale import profile
 from jaxscale import state as state_lib
+from jaxscale.guard import GuardSpec
 from jaxscale.mesh import granule_count
 from jaxscale.models import model_from_config
 from jaxscale.optim import make_optimizer
@@ -61,10 +62,11 @@ def compile_plan(config, platform: str, devices=None):
     layout, _ = layout_from_config(config, devices)
     model, _ = model_from_config(config, platform)
     tx, schedule = make_optimizer(config.optim, config.train.steps)
-    state = state_lib.abstract(model, tx, layout)
+    guard = GuardSpec.from_config(config.guard)
+    state, shardings = state_lib.abstract(model, tx, layout, guard)
     grads = state_lib.grad_shardings(model, layout)
     step = jit_train_step(model, tx, schedule, compute_dtype(config.model.dtype, platform),
-                          config.train.grad_accum_steps, layout, state_lib.shardings(model, tx, layout), grads)
+                          config.train.grad_accum_steps, layout, shardings, grads, guard)
     t = config.train
     tokens = jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len), jnp.int32, sharding=layout.batch_sharding())
     start = time.perf_counter()

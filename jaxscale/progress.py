@@ -17,13 +17,18 @@ def format_record(record: dict) -> str:
 
 
 class ProgressDisplay:
-    """Progress bar (step, loss, tokens/s, MFU, ETA) plus a printed line per logged step."""
+    """Progress bar (step, loss, tokens/s, MFU, ETA) plus a printed line per logged step.
 
-    def __init__(self, total_steps: int, start_step: int, enabled: bool, show_bar: bool = True):
-        self.enabled = enabled
+    `enabled` (process 0) prints messages: notes, warnings, resume and preemption lines;
+    `show_steps` adds the per-step lines and, with `show_bar`, the bar.
+    """
+
+    def __init__(self, total_steps: int, start_step: int, enabled: bool, show_bar: bool = True,
+                 show_steps: bool = True):
+        self.enabled, self.show_steps = enabled, enabled and show_steps
         self.console = Console(stderr=False, highlight=False)
         self._bar = None
-        if enabled and show_bar:
+        if self.show_steps and show_bar:
             self._bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
                                  console=self.console, transient=True)
@@ -35,7 +40,7 @@ class ProgressDisplay:
             self.console.print(message, markup=False, soft_wrap=True)
 
     def update(self, record: dict) -> None:
-        if not self.enabled:
+        if not self.show_steps:
             return
         self.print(format_record(record))
         if self._bar is not None:

@@ -9,6 +9,7 @@ stage 0 nothing more, 1 optimizer state, 2 + gradients, 3 + parameters.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -16,7 +17,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxscale import guard as guard_lib
 from jaxscale import sharding as shd
+from jaxscale.guard import GuardSpec
 from jaxscale.models import LanguageModel
 
 
@@ -27,13 +30,17 @@ class TrainState:
     params: dict           # float32 master parameters
     opt_state: Any         # optax state; each moment shaped and sharded like its parameter
     rng: jax.Array         # uint32[2] key for stochastic layers, advanced every step
+    guard: dict            # loss window and skip counters of the training guards (jaxscale.guard)
 
 
-def create(model: LanguageModel, tx: optax.GradientTransformation, seed: int) -> TrainState:
-    """The initial state; a pure function of the seed (independent of the mesh)."""
+def create(model: LanguageModel, tx: optax.GradientTransformation, seed: int, guard: GuardSpec = GuardSpec(),
+           params: dict | None = None) -> TrainState:
+    """The initial state; a pure function of the seed (independent of the mesh). Given `params`
+    (e.g. loaded for fine-tuning), they replace the seeded initialisation."""
     params_key, rng = jax.random.split(jax.random.PRNGKey(seed))
-    params = model.init(params_key)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng)
+    params = model.init(params_key) if params is None else params
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng,
+                      guard=guard_lib.init(guard))
 
 
 def param_specs(model: LanguageModel, layout: shd.Layout, over_data: bool) -> dict:
@@ -50,27 +57,46 @@ def grad_shardings(model: LanguageModel, layout: shd.Layout) -> dict:
     return shd.named(layout.mesh, param_specs(model, layout, layout.zero_stage >= 2))
 
 
-def shardings(model: LanguageModel, tx: optax.GradientTransformation, layout: shd.Layout) -> TrainState:
-    """NamedShardings for every leaf of the state, from the model's logical axes and the ZeRO stage."""
-    abstract_state = jax.eval_shape(lambda: create(model, tx, 0))
+def _shapes(model: LanguageModel, tx: optax.GradientTransformation, guard: GuardSpec) -> TrainState:
+    return jax.eval_shape(lambda: create(model, tx, 0, guard))
+
+
+def _shardings_of(shapes: TrainState, model: LanguageModel, tx: optax.GradientTransformation,
+                  layout: shd.Layout) -> TrainState:
     replicated = NamedSharding(layout.mesh, P())
     params = shd.named(layout.mesh, param_specs(model, layout, layout.zero_stage >= 3))
     moments = shd.named(layout.mesh, param_specs(model, layout, layout.zero_stage >= 1))
-    opt_state = optax.tree_map_params(tx, lambda _, s: s, abstract_state.opt_state, moments,
+    opt_state = optax.tree_map_params(tx, lambda _, s: s, shapes.opt_state, moments,
                                       transform_non_params=lambda _: replicated)
-    return TrainState(step=replicated, params=params, opt_state=opt_state, rng=replicated)
+    return TrainState(step=replicated, params=params, opt_state=opt_state, rng=replicated,
+                      guard=jax.tree.map(lambda _: replicated, shapes.guard))
 
 
-def abstract(model: LanguageModel, tx: optax.GradientTransformation, layout: shd.Layout) -> TrainState:
-    """The state as sharded ShapeDtypeStructs: for compiling and planning without allocating."""
-    shapes = jax.eval_shape(lambda: create(model, tx, 0))
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-                        shapes, shardings(model, tx, layout))
+def shardings(model: LanguageModel, tx: optax.GradientTransformation, layout: shd.Layout,
+              guard: GuardSpec = GuardSpec()) -> TrainState:
+    """NamedShardings for every leaf of the state, from the model's logical axes and the ZeRO stage."""
+    return _shardings_of(_shapes(model, tx, guard), model, tx, layout)
 
 
-def init(model: LanguageModel, tx: optax.GradientTransformation, seed: int,
-         layout: shd.Layout) -> tuple[TrainState, TrainState]:
-    """(state, its shardings): compiled once, each device materialises only its shards."""
-    out = shardings(model, tx, layout)
-    state = jax.jit(create, static_argnums=(0, 1, 2), out_shardings=out)(model, tx, seed)
+def with_shardings(shapes, shardings_tree):
+    """ShapeDtypeStructs carrying their shardings: a target to compile for or restore into."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), shapes, shardings_tree)
+
+
+def abstract(model: LanguageModel, tx: optax.GradientTransformation, layout: shd.Layout,
+             guard: GuardSpec = GuardSpec()) -> tuple[TrainState, TrainState]:
+    """(the state as sharded ShapeDtypeStructs, its shardings): for compiling, planning and
+    restoring without allocating."""
+    shapes = _shapes(model, tx, guard)
+    out = _shardings_of(shapes, model, tx, layout)
+    return with_shardings(shapes, out), out
+
+
+def init(model: LanguageModel, tx: optax.GradientTransformation, seed: int, layout: shd.Layout,
+         guard: GuardSpec = GuardSpec(), params: dict | None = None) -> tuple[TrainState, TrainState]:
+    """(state, its shardings): compiled once, each device materialises only its shards. Given
+    `params` (already on their shardings) they are donated into the state, not copied."""
+    out = shardings(model, tx, layout, guard)
+    make = functools.partial(create, model, tx, seed, guard)
+    state = jax.jit(make, out_shardings=out, donate_argnums=0)(params)
     return state, out

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxscale import guard as guard_lib
+from jaxscale.guard import GuardSpec
 from jaxscale.models import LanguageModel
 from jaxscale.models.precision import compute_dtype  # noqa: F401  (re-exported for callers)
 from jaxscale.parallel import microbatch
@@ -77,23 +79,29 @@ def loss_and_grads(params, batch: Batch, model, dtype, accum_steps: int, layout:
     return _accumulate(params, batch, grad_fn, accum_steps)
 
 
-def train_step(state: TrainState, batch: Batch, *, model, tx, schedule, dtype, accum_steps, layout, grad_shardings):
-    """One optimizer update. Returns the new state and scalar metrics."""
+def train_step(state: TrainState, batch: Batch, *, model, tx, schedule, dtype, accum_steps, layout, grad_shardings,
+               guard: GuardSpec = GuardSpec()):
+    """One optimizer update, unless the guard rejects it. Returns the new state and scalar metrics."""
     loss, grads = loss_and_grads(state.params, batch, model, dtype, accum_steps, layout)
     grads = jax.lax.with_sharding_constraint(grads, grad_shardings)  # ZeRO-2: reduce-scatter, not all-reduce
+    grad_norm = optax.tree.norm(grads)
+    accept, spike, guard_state = guard_lib.decide(guard, state.guard, loss, grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    new = TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                     opt_state=opt_state, rng=jax.random.fold_in(state.rng, state.step))
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step),
-               "tokens": jnp.asarray(batch["targets"].size, jnp.int32)}
+    params, opt_state = guard_lib.select(accept, (optax.apply_updates(state.params, updates), opt_state),
+                                         (state.params, state.opt_state))
+    new = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                     rng=jax.random.fold_in(state.rng, state.step), guard=guard_state)
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
+               "tokens": jnp.asarray(batch["targets"].size, jnp.int32), "spike": spike,
+               "nonfinite_skips": guard_state["nonfinite"], "spike_skips": guard_state["spikes"]}
     return new, metrics
 
 
 def jit_train_step(model, tx, schedule, dtype, accum_steps: int, layout: Layout,
-                   state_shardings: TrainState, grad_shardings):
+                   state_shardings: TrainState, grad_shardings, guard: GuardSpec = GuardSpec()):
     """train_step jitted once with explicit shardings; the old state is donated."""
     step = functools.partial(train_step, model=model, tx=tx, schedule=schedule, dtype=dtype,
-                             accum_steps=accum_steps, layout=layout, grad_shardings=grad_shardings)
+                             accum_steps=accum_steps, layout=layout, grad_shardings=grad_shardings, guard=guard)
     replicated = NamedSharding(layout.mesh, P())
     return jax.jit(step, in_shardings=(state_shardings, layout.batch_sharding()),
                    out_shardings=(state_shardings, replicated), donate_argnums=0)

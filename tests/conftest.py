@@ -13,8 +13,7 @@ import pytest  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture
-def tiny_config():
+def small_config():
     """A small, fast config: 2-layer llama, d_model 64, seq 32, batch 16, fp32."""
     from jaxscale.config import defaults
 
@@ -24,6 +23,11 @@ def tiny_config():
     config.optim.update(lr=3e-3, warmup_steps=5)
     config.metrics.update(tensorboard=False, progress=False)
     return config
+
+
+@pytest.fixture
+def tiny_config():
+    return small_config()
 
 
 def make_layout(devices: int | None = None, zero_stage: int = 0, **sizes):
@@ -38,13 +42,26 @@ def make_layout(devices: int | None = None, zero_stage: int = 0, **sizes):
     return Layout.of(make_mesh(axes, jax.devices()[:count]), zero_stage=zero_stage)
 
 
+def cli_env(devices: int = 8) -> dict:
+    """The environment of a fresh jaxscale process with `devices` fake CPU devices."""
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+                PYTHONUNBUFFERED="1")
+
+
 def run_cli(args, devices: int = 8, cwd=ROOT, timeout: int = 300, module: str = "jaxscale.train"):
     """Run `python -m MODULE ARGS` in a fresh process with `devices` fake CPU devices."""
     import subprocess
 
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=cli_env(devices),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def start_cli(args, devices: int = 8, module: str = "jaxscale.train"):
+    """Start `python -m MODULE ARGS` without waiting (stdout and stderr piped together)."""
+    import subprocess
+
+    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=cli_env(devices),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 assert jax.device_count() == 8, "tests expect 8 fake CPU devices; was jax imported before conftest?"

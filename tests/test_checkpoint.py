@@ -1,45 +1,172 @@
-"""Checkpoints: resume is bit-identical on the same mesh and correct on another; old steps rotate."""
+"""Checkpoints: bit-identical resume on the same mesh, restore onto other meshes and device
+counts, rotation and keep-every-N, time-based saves, integrity checks with fallback,
+config compatibility, resume_from / init_from, and the workdir lock."""
+
+import gc
+import shutil
 
 import jax
 import numpy as np
+import pytest
 
-from jaxscale.checkpoint import Checkpointer
+from conftest import small_config
+from jaxscale.checkpoint import CORRUPT_DIR, Checkpointer
+from jaxscale.errors import ConfigError
 from jaxscale.loop import setup, train
+from jaxscale.workdir import WorkdirLock
 
 
-def _params(run_config, workdir):
-    run = setup(run_config)
-    state, position = Checkpointer(workdir / "checkpoints", run_config.checkpoint).restore(run.shardings, run.state)
-    return jax.device_get(state.params), position
+def _committed(workdir):
+    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
 
 
-def test_resume_is_bit_identical_on_the_same_mesh(tiny_config, tmp_path):
-    whole = train(tiny_config, tmp_path / "whole", show_progress=False)
-    first = train(tiny_config, tmp_path / "split", show_progress=False, until=10)
-    rest = train(tiny_config, tmp_path / "split", show_progress=False)
-    assert [r["step"] for r in first] == [1, 5, 10] and [r["step"] for r in rest] == [15, 20]
-    assert [r["loss"] for r in first + rest] == [r["loss"] for r in whole]  # exact, not approximate
-    assert rest[-1]["val_loss"] == whole[-1]["val_loss"]
-    a, position = _params(tiny_config, tmp_path / "whole")
-    b, _ = _params(tiny_config, tmp_path / "split")
-    jax.tree.map(np.testing.assert_array_equal, a, b)
-    assert position == {"global_sample": 20 * tiny_config.train.global_batch_size}
+def _restore(config, workdir, devices=None, **kwargs):
+    """(Restored, warnings) of workdir's newest good step, restored onto config's mesh."""
+    run = setup(config, devices, init=False)
+    warnings = []
+    checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint)
+    try:
+        return checkpointer.restore(run.state, warn=warnings.append, **kwargs), warnings
+    finally:
+        checkpointer.close()
 
 
-def test_resume_on_another_mesh(tiny_config, tmp_path):
-    whole = train(tiny_config, tmp_path / "whole", show_progress=False)
-    train(tiny_config, tmp_path / "moved", show_progress=False, until=10)  # data=8
-    tiny_config.mesh.update(data=2, fsdp=2, tensor=2)
-    tiny_config.zero_stage = 3
-    rest = train(tiny_config, tmp_path / "moved", show_progress=False)
-    assert [r["step"] for r in rest] == [15, 20]
-    for got, want in zip(rest, whole[-2:]):
-        np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+def _by_step(records):
+    return {r["step"]: r for r in records}
 
 
-def test_periodic_saves_keep_the_newest(tiny_config, tmp_path):
-    tiny_config.checkpoint.update(every_steps=5, max_to_keep=2)
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A data=8 run of the test config to step 10 (saves at 5 and 10), and the whole 14-step run."""
+    config = small_config()
+    config.train.update(steps=14, log_every=1)
+    config.checkpoint.every_steps = 5
+    root = tmp_path_factory.mktemp("saved")
+    whole = train(config, root / "whole", show_progress=False)
+    train(config, root / "split", show_progress=False, until=10)
+    return config, root, whole
+
+
+def test_resume_is_bit_identical_on_the_same_mesh(saved, tmp_path):
+    config, root, whole = saved
+    shutil.copytree(root / "split", tmp_path / "split")
+    rest = train(config, tmp_path / "split", show_progress=False)
+    assert [r["step"] for r in rest] == [11, 12, 13, 14]
+    for got in rest:  # exact, not approximate
+        assert got["loss"] == _by_step(whole)[got["step"]]["loss"]
+        assert got["grad_norm"] == _by_step(whole)[got["step"]]["grad_norm"]
+    a, _ = _restore(config, root / "whole")
+    b, _ = _restore(config, tmp_path / "split")
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(a.state), jax.device_get(b.state))
+    assert a.position["global_sample"] == 14 * config.train.global_batch_size
+
+
+@pytest.mark.parametrize("layout, devices", [
+    (dict(data=1, fsdp=4, tensor=2), 8),
+    (dict(data=4, pipeline=2), 8),
+    (dict(data=2, fsdp=2, tensor=2, zero_stage=3), 8),
+    (dict(data=1), 1),
+], ids=["fsdp4_tensor2", "data4_pipeline2", "data2_fsdp2_tensor2_zero3", "one_device"])
+def test_restores_onto_another_mesh_and_continues(saved, tmp_path, layout, devices):
+    config, root, whole = saved
+    config = config.copy_and_resolve_references()
+    zero = layout.pop("zero_stage", 0)
+    config.mesh.update(layout)
+    config.zero_stage = zero
+    subset = jax.devices()[:devices]
+    original, _ = _restore(saved[0], root / "split")
+    moved, _ = _restore(config, root / "split", devices=subset)
+    assert moved.step == 10
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(moved.state.params),
+                 jax.device_get(original.state.params))  # bit-equal on the new layout
+    shutil.copytree(root / "split", tmp_path / "run")
+    rest = train(config, tmp_path / "run", show_progress=False, until=12, devices=subset)
+    assert [r["step"] for r in rest] == [11, 12]
+    for got in rest:
+        np.testing.assert_allclose(got["loss"], _by_step(whole)[got["step"]]["loss"], rtol=1e-5)
+
+
+def test_rotation_keeps_the_newest_and_every_nth(tiny_config, tmp_path):
+    tiny_config.checkpoint.update(every_steps=5, max_to_keep=2, keep_every=10)
+    tiny_config.train.steps = 25
     train(tiny_config, tmp_path, show_progress=False)
-    steps = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
-    assert steps == [15, 20]
+    assert _committed(tmp_path) == [10, 20, 25]
     assert not list((tmp_path / "checkpoints").glob("*tmp*"))
+
+
+def test_time_based_saves(tiny_config, tmp_path):
+    tiny_config.checkpoint.update(every_steps=0, every_minutes=0.0005, max_to_keep=100)  # 30 ms
+    tiny_config.train.update(steps=40, eval_every=0)
+    train(tiny_config, tmp_path, show_progress=False)
+    steps = _committed(tmp_path)
+    assert steps[-1] == 40 and len(steps) >= 3, steps  # the last step, and saves on the clock before it
+
+
+def _corrupt(step_dir, mode):
+    data = max((p for p in (step_dir / "state").rglob("d/*") if p.is_file()), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    if mode == "flip":
+        raw[len(raw) // 2] ^= 0x40
+        data.write_bytes(bytes(raw))
+    elif mode == "truncate":
+        data.write_bytes(bytes(raw[: len(raw) // 2]))
+    else:
+        data.unlink()
+
+
+# Orbax leaves the reads of the other shards of a failed array as never-awaited coroutines.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("mode, reason", [("flip", "differ from their saved digests"),
+                                          ("truncate", "does not read"), ("delete", "does not read")])
+def test_a_damaged_step_is_set_aside_and_the_previous_one_used(saved, tmp_path, mode, reason):
+    config, root, _ = saved
+    workdir = tmp_path / "run"
+    shutil.copytree(root / "split", workdir)
+    _corrupt(workdir / "checkpoints" / "10", mode)
+    restored, warnings = _restore(config, workdir)
+    assert restored.step == 5
+    assert len(warnings) == 1 and "checkpoint step 10" in warnings[0] and reason in warnings[0], warnings
+    assert _committed(workdir) == [5]
+    assert [p.name.split("-")[0] for p in (workdir / CORRUPT_DIR).iterdir()] == ["10"]  # kept, not deleted
+    gc.collect()  # collect those coroutines here, under this test's filter
+
+
+def test_a_changed_model_shape_is_refused_and_a_changed_mesh_noted(saved, tmp_path):
+    config, root, _ = saved
+    shutil.copytree(root / "split", tmp_path / "run")
+    wider = config.copy_and_resolve_references()
+    wider.model.update(d_model=128, num_layers=3)
+    with pytest.raises(ConfigError, match=r"model.num_layers=3: .* saved with model.num_layers=2; also model.d_model"):
+        train(wider, tmp_path / "run", show_progress=False)
+    assert _committed(tmp_path / "run") == [5, 10]  # nothing was touched
+
+
+def test_resume_from_and_init_from_another_workdir(saved, tmp_path, capsys):
+    config, root, whole = saved
+    resumed = config.copy_and_resolve_references()
+    resumed.checkpoint.resume_from = str(root / "split" / "checkpoints" / "5")
+    records = train(resumed, tmp_path / "resumed", show_progress=False, until=6)
+    assert records[0]["step"] == 6 and records[0]["loss"] == _by_step(whole)[6]["loss"]
+    tuned = config.copy_and_resolve_references()
+    tuned.checkpoint.init_from = str(root / "split")
+    records = train(tuned, tmp_path / "tuned", show_progress=False, until=1)
+    out = capsys.readouterr().out
+    assert "initialised parameters from" in out and "/10; fresh optimizer state, step 0" in out
+    assert records[0]["step"] == 1 and records[0]["loss"] < whole[0]["loss"] - 0.5  # trained weights, fresh Adam
+    none = config.copy_and_resolve_references()
+    none.checkpoint.resume_from = "none"
+    with pytest.raises(ConfigError, match="already holds steps"):
+        train(none, tmp_path / "tuned", show_progress=False)
+
+
+def test_a_second_run_on_a_workdir_in_use_is_refused(tiny_config, tmp_path):
+    from conftest import run_cli
+
+    with WorkdirLock(tmp_path):
+        with pytest.raises(ConfigError, match="is in use by another run"):
+            train(tiny_config, tmp_path, show_progress=False)
+        result = run_cli(["--config=configs/tiny.py", f"--workdir={tmp_path}"], devices=1)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and f"--workdir='{tmp_path}': is in use by another run (pid" \
+        in result.stderr, result.stderr
+    assert not (tmp_path / "checkpoints").exists()

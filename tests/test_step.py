@@ -179,8 +179,8 @@ def test_remat_policies_trade_compiled_memory(optim_cfg):
     for remat in ("none", "dots_saveable", "full"):
         model = LanguageModel(ModelSpec(num_layers=4, d_model=64, num_heads=4, num_kv_heads=4, d_ff=256, remat=remat))
         tx, schedule = make_optimizer(optim_cfg, 10)
-        state = state_lib.abstract(model, tx, layout)
-        step = jit_train_step(model, tx, schedule, jnp.float32, 1, layout, state_lib.shardings(model, tx, layout),
+        state, shardings = state_lib.abstract(model, tx, layout)
+        step = jit_train_step(model, tx, schedule, jnp.float32, 1, layout, shardings,
                               state_lib.grad_shardings(model, layout))
         compiled = step.lower(state, {"inputs": tokens, "targets": tokens}).compile()
         temp[remat] = compiled.memory_analysis().temp_size_in_bytes

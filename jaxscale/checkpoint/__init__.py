@@ -1,0 +1,11 @@
+"""Checkpoints: Orbax saves of the state with its data position, config and digests; restore
+onto any mesh with verification and fallback; where a checkpoint given by path lives.
+
+    checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint)
+    restored = checkpointer.restore(abstract_state)   # newest step that reads back as saved
+"""
+
+from jaxscale.checkpoint.manager import CORRUPT_DIR, CorruptCheckpoint, Checkpointer, Restored
+from jaxscale.checkpoint.sources import CHECKPOINTS, locate
+
+__all__ = ["CHECKPOINTS", "CORRUPT_DIR", "Checkpointer", "CorruptCheckpoint", "Restored", "locate"]

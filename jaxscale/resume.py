@@ -1,0 +1,101 @@
+"""Where a run starts: its workdir's own latest checkpoint, another run's checkpoint
+(`checkpoint.resume_from`), parameters only (`checkpoint.init_from`), or a fresh state.
+
+The workdir's own checkpoints always win, so restarting a preempted fine-tune continues it
+rather than going back to its source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+
+from jaxscale import state as state_lib
+from jaxscale.checkpoint import Checkpointer, compat, locate
+from jaxscale.errors import ConfigError, RunError
+
+
+@dataclasses.dataclass
+class Start:
+    kind: str                        # fresh | resume | init
+    checkpointer: Checkpointer | None
+    step: int | None = None          # a specific step, or None for the newest good one
+    field: str = ""                  # the config field that named a foreign checkpoint
+
+
+def choose(config, own: Checkpointer) -> Start:
+    """Decide the start from the config and what the workdir holds; nothing is read yet."""
+    ckpt = config.checkpoint
+    if own.steps():
+        if ckpt.resume_from == "none":
+            raise ConfigError("checkpoint.resume_from", "none", f"{own.directory} already holds steps "
+                              f"{own.steps()}; move them away or use a new --workdir to start afresh")
+        return Start("resume", own)
+    if ckpt.resume_from and ckpt.resume_from != "none":
+        directory, step = locate(ckpt.resume_from, "checkpoint.resume_from")
+        return Start("resume", Checkpointer(directory, ckpt, read_only=True), step, "checkpoint.resume_from")
+    if ckpt.init_from:
+        directory, step = locate(ckpt.init_from, "checkpoint.init_from")
+        return Start("init", Checkpointer(directory, ckpt, read_only=True), step, "checkpoint.init_from")
+    return Start("fresh", None)
+
+
+def _checker(run, start: Start, say: Callable[[str], None]):
+    """check(config, meta) for Checkpointer.restore: shapes must match; mesh changes are said."""
+    current = run.config.to_dict()
+
+    def check(saved: dict, meta: dict) -> None:
+        where = f"checkpoint {start.checkpointer.directory}/{meta.get('step', '?')}"
+        for note in compat.check(saved, current, where, params_only=start.kind == "init"):
+            say(f"note: {note}")
+        if "mesh" in meta and start.kind == "resume":
+            now = {"mesh": dict(run.layout.mesh.shape), "zero_stage": run.layout.zero_stage,
+                   "devices": run.layout.mesh.size, "processes": jax.process_count()}
+            before, after = compat.describe_mesh(meta), compat.describe_mesh(now)
+            if before != after:
+                say(f"note: checkpoint written on mesh {before}; restoring onto {after}")
+    return check
+
+
+def apply(start: Start, run, say: Callable[[str], None]) -> int:
+    """Put the start's state into run.state; returns the data step (index of the next batch).
+    A foreign checkpointer (resume_from, init_from) is closed afterwards."""
+    if start.kind == "fresh":
+        return 0
+    try:
+        restored = start.checkpointer.restore(run.state, _checker(run, start, say),
+                                              params_only=start.kind == "init", step=start.step, warn=say)
+    finally:
+        if start.checkpointer.read_only:
+            start.checkpointer.close()
+    if restored is None:
+        if start.field:
+            raise RunError(f"{start.field}: no usable checkpoint in {start.checkpointer.directory}")
+        return _fresh(run, say)
+    if start.kind == "init":
+        run.state, _ = state_lib.init(run.model, run.tx, run.config.train.seed, run.layout, run.guard,
+                                      params=restored.state["params"])
+        say(f"initialised parameters from {start.checkpointer.directory}/{restored.step}; "
+            "fresh optimizer state, step 0")
+        return 0
+    run.state = restored.state
+    return _position(run, restored, say)
+
+
+def _fresh(run, say) -> int:
+    say("no usable checkpoint left; starting from scratch")
+    run.state, _ = state_lib.init(run.model, run.tx, run.config.train.seed, run.layout, run.guard)
+    return 0
+
+
+def _position(run, restored, say) -> int:
+    sample, batch = restored.position["global_sample"], run.config.train.global_batch_size
+    step = int(jax.device_get(run.state.step))
+    say(f"resuming from step {step} (checkpoint {restored.step}, global sample {sample:,})")
+    if sample % batch:
+        say(f"note: the data position (sample {sample:,}) is not a multiple of train.global_batch_size={batch}; "
+            f"continuing at sample {sample // batch * batch:,}")
+    return sample // batch
+

@@ -1,0 +1,136 @@
+"""Faults with real processes and real signals, no mocks: SIGTERM and SIGINT mid-run, SIGKILL
+during an asynchronous save, and a disk that fills up during a save."""
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, cli_env, run_cli, start_cli
+
+TINY = ["--config=configs/tiny.py", "--config.train.eval_every=0", "--config.metrics.tensorboard=False"]
+
+
+def _records(workdir):
+    path = workdir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _last_per_step(records):
+    """A resumed run logs again the steps after its checkpoint; the latest record of a step wins."""
+    return {r["step"]: r for r in records}
+
+
+def _committed(workdir):
+    return sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def _wait_for(condition, proc, timeout=240, poll=0.005):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before the fault (exit {proc.returncode}):\n{proc.stdout.read()[-3000:]}")
+        found = condition()
+        if found:
+            return found
+        time.sleep(poll)
+    raise AssertionError("timed out waiting for the moment to inject the fault")
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The uninterrupted 20-step run, one record per step."""
+    workdir = tmp_path_factory.mktemp("whole")
+    result = run_cli([*TINY, "--config.train.steps=20", "--config.train.log_every=1", f"--workdir={workdir}"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return _last_per_step(_records(workdir))
+
+
+@pytest.mark.parametrize("sig, at_step", [(signal.SIGTERM, 10), (signal.SIGINT, 3)], ids=["sigterm", "sigint"])
+def test_a_signal_saves_and_the_same_command_resumes_bit_identically(whole, tmp_path, sig, at_step):
+    args = [*TINY, "--config.train.steps=20", "--config.train.log_every=1", f"--workdir={tmp_path}"]
+    proc = start_cli(args)
+    _wait_for(lambda: any(r["step"] >= at_step for r in _records(tmp_path)), proc, poll=0.002)
+    proc.send_signal(sig)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-3000:]
+    stopped = max(_committed(tmp_path))
+    assert at_step <= stopped < 20, out[-2000:]
+    assert f"{sig.name}: stopping after step {stopped}" in out and f"checkpoint of step {stopped} committed" in out
+    resumed = run_cli(args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from step {stopped}" in resumed.stdout
+    merged = _last_per_step(_records(tmp_path))
+    assert sorted(merged) == list(range(1, 21))
+    for step in range(at_step + 1, 21):  # bit-identical: compared with ==
+        assert (merged[step]["loss"], merged[step]["grad_norm"]) == (whole[step]["loss"], whole[step]["grad_norm"])
+
+
+# ~17M parameters (about 200 MB of state with Adam): a save takes long enough to be killed in.
+BIG = [*TINY, "--config.model.d_model=512", "--config.model.d_ff=2048", "--config.model.num_layers=4",
+       "--config.model.num_heads=8", "--config.model.num_kv_heads=8", "--config.train.global_batch_size=4",
+       "--config.train.seq_len=16", "--config.checkpoint.every_steps=2", "--config.train.log_every=1"]
+
+
+def test_sigkill_during_an_async_save_resumes_from_the_previous_step(tmp_path):
+    proc = start_cli([*BIG, "--config.train.steps=1000", f"--workdir={tmp_path}"], devices=1)
+    ckpts = tmp_path / "checkpoints"
+
+    def saving_after_a_commit():
+        tmp = [p for p in ckpts.glob("*.orbax-checkpoint-tmp*")] if ckpts.exists() else []
+        return tmp if tmp and _committed(tmp_path) else None
+
+    tmp = _wait_for(saving_after_a_commit, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    killed = int(tmp[0].name.split(".")[0])
+    before = _committed(tmp_path)
+    assert killed not in before and max(before) < killed  # the half-written step never became a step
+    resumed = run_cli([*BIG, f"--config.train.steps={killed + 1}", f"--workdir={tmp_path}"], devices=1)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from step {max(before)}" in resumed.stdout
+    assert killed + 1 in _committed(tmp_path)
+    assert not list(ckpts.glob("*tmp*"))  # the leftover was cleaned up
+
+
+CHECK = """
+import sys
+from jaxscale import cli
+from jaxscale.checkpoint import Checkpointer
+from jaxscale.loop import setup
+config = cli.load_config("configs/tiny.py", [])
+run = setup(config, init=False)
+restored = Checkpointer(sys.argv[1], config.checkpoint).restore(run.state)
+print("restored step", restored.step, "global sample", restored.position["global_sample"])
+"""
+
+
+def _can_mount_tmpfs() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                            "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare and a tmpfs mount in a user namespace")
+def test_a_full_disk_is_reported_and_the_previous_checkpoint_stays_intact(tmp_path):
+    """An 8 MiB tmpfs holds the first checkpoint (about 5 MB) but not the second."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    train = [sys.executable, "-m", "jaxscale.train", *TINY, "--config.train.steps=20",
+             "--config.checkpoint.every_steps=5", f"--workdir={disk}/run"]
+    script = (f"mount -t tmpfs -o size=8m tmpfs {disk} && "
+              f"{' '.join(train)} > {tmp_path}/out 2> {tmp_path}/err; echo $? > {tmp_path}/rc; "
+              f"{sys.executable} -c '{CHECK}' {disk}/run/checkpoints > {tmp_path}/check 2>&1")
+    subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script], cwd=ROOT,
+                   env=cli_env(1), timeout=300, check=True)
+    err = (tmp_path / "err").read_text().strip().splitlines()
+    assert (tmp_path / "rc").read_text().strip() == "1", err
+    assert err[-1].startswith("jaxscale: error: checkpoint step 10 could not be written"), err[-5:]
+    assert "No space left on device" in err[-1] and "step 5 is the latest intact checkpoint" in err[-1]
+    assert "restored step 5 global sample 80" in (tmp_path / "check").read_text()
