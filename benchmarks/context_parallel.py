@@ -1,24 +1,24 @@
 """Context parallelism: ring vs all-gather attention vs none, across sequence lengths.
 
-    python benchmarks/context_parallel.py [--devices=4] [--lengths=512,1024,2048,4096] [--steps=5] [--append]
+    python benchmarks/context_parallel.py [--devices=4] [--lengths=512,1024,2048,4096] [--steps=5]
+        [--json] [--append] [--smoke]
 
 The tiny model trains one sequence per step three ways: none = on one device, which holds the
 whole sequence; ring and all_gather = over `devices` devices with mesh.sequence=devices, each
 holding 1/devices of it. Reports the median step time and the per-device temporary memory of
 the compiled step. On a CPU the fake devices share the host's cores, so step times show the
-algorithms' overheads, not the parallel speed-up real devices give.
+algorithms' overheads, not the parallel speed-up real devices give. `--json` prints one row
+per (seq_len, mode) with step_s and temp_bytes.
 """
 
 from __future__ import annotations
 
+import _common  # noqa: I001  (first: puts this checkout's jaxscale on sys.path)
+
 import argparse
-import os
 import sys
 
-
-def _setup_devices(count: int) -> None:
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={count}"
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+MODES = ("none", "ring", "all_gather")
 
 
 def _config(mode: str, length: int, devices: int):
@@ -58,30 +58,26 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--lengths", default="512,1024,2048,4096")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--append", action="store_true")
+    _common.add_flags(parser)
     args = parser.parse_args()
-    _setup_devices(args.devices)
-    import datetime
-
+    if args.smoke:
+        args.devices, args.lengths, args.steps = 2, "64", 1
+    _common.fake_cpu_devices(args.devices)
     import jax
 
-    rows = [f"### context parallelism: tiny model, {args.devices} x {jax.devices()[0].device_kind}, "
-            f"one sequence per step, {datetime.date.today()}", "",
-            "| seq_len | none: step, temp/device | ring: step, temp/device | all_gather: step, temp/device |",
-            "|---|---|---|---|"]
+    rows, lines = [], ["| seq_len | none: step, temp/device | ring: step, temp/device | all_gather: step, temp/device |",
+                       "|---|---|---|---|"]
     for length in (int(x) for x in args.lengths.split(",")):
-        cells = []
-        for mode in ("none", "ring", "all_gather"):
+        for mode in MODES:
             step_s, temp = _measure(_config(mode, length, args.devices), args.steps, 1,
                                     1 if mode == "none" else args.devices)
-            cells.append(f"{step_s * 1e3:,.0f} ms, {temp / 2**20:,.0f} MiB")
-        rows.append(f"| {length} | " + " | ".join(cells) + " |")
-        print(rows[-1], file=sys.stderr, flush=True)
-    text = "\n".join(rows)
-    print(text)
-    if args.append:
-        with open(os.path.join(os.path.dirname(__file__), "RESULTS.md"), "a") as out:
-            out.write("\n" + text + "\n")
+            rows.append({"seq_len": length, "mode": mode, "step_s": step_s, "temp_bytes": temp})
+        lines.append(f"| {length} | " + " | ".join(f"{r['step_s'] * 1e3:,.0f} ms, {r['temp_bytes'] / 2**20:,.0f} MiB"
+                                                   for r in rows[-len(MODES):]) + " |")
+        print(lines[-1], file=sys.stderr, flush=True)
+    title = f"context parallelism: tiny model, {args.devices} x {jax.devices()[0].device_kind}, one sequence per step"
+    _common.report(args, _common.entry(title, "\n".join(lines)),
+                   {"benchmark": "context_parallel", "devices": args.devices, "steps": args.steps, "rows": rows})
 
 
 if __name__ == "__main__":

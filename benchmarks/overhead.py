@@ -1,17 +1,22 @@
 """jaxscale's train step and loop against a hand-written bare-JAX step of the same math.
 
-    python benchmarks/overhead.py [--config=configs/tiny.py] [--rounds=7] [--steps=20] [--append]
+    python benchmarks/overhead.py [--config=configs/tiny.py] [--rounds=7] [--steps=20] [--override=a.b=v ...]
+        [--json] [--append] [--smoke]
 
 Both run on the same mesh and batch size, interleaved round by round so machine noise hits
 both; the table reports medians and the jaxscale/bare ratios (lower is better, 1.0 = no cost).
 The bare step is written with jax.numpy only (no Flax, no jaxscale) for llama-family configs.
+Time to first step is measured once each, in the same process, from an initialised state:
+jaxscale's loop compiling its step, starting the data pipeline and running step 1, against the
+bare step's first call (trace, compile, run). `--json` prints step_time_ratio and
+compile_time_ratio (jaxscale / bare) with the times behind them.
 """
 
 from __future__ import annotations
 
+import _common  # noqa: I001  (first: puts this checkout's jaxscale on sys.path)
+
 import argparse
-import datetime
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +31,9 @@ from jaxscale.metrics import MetricsWriter
 from jaxscale.optim import make_optimizer
 from jaxscale.step import compute_dtype
 from jaxscale.progress import ProgressDisplay
+
+
+SMOKE_OVERRIDES = ["model.d_model=64", "model.d_ff=128", "train.seq_len=32", "train.global_batch_size=8"]
 
 
 def _rms(x, scale, eps):
@@ -88,12 +96,23 @@ def _time_bare(step, params, opt_state, batch, n):
     return params, opt_state, (time.perf_counter() - start) / n
 
 
-def _time_loop(run: loop.Run, n: int) -> float:
-    """Median step time of jaxscale's own loop (data, metrics, logging every step) over n steps."""
+def _loop_steps(run: loop.Run, n: int) -> list[dict]:
+    """n steps of jaxscale's own loop (data, metrics, logging every step); their records."""
     run.config.train.steps = int(run.state.step) + n
     quiet = ProgressDisplay(0, 0, enabled=False)
-    records = loop.run_steps(run, quiet, MetricsWriter(Path("."), enabled=False, tensorboard=False))
-    return statistics.median(r["step_time_s"] for r in records[1:])
+    return loop.run_steps(run, quiet, MetricsWriter(Path("."), enabled=False, tensorboard=False))
+
+
+def _time_loop(run: loop.Run, n: int) -> float:
+    """Median step time of jaxscale's loop over n steps, the first (which waits for data) left out."""
+    return statistics.median(r["step_time_s"] for r in _loop_steps(run, n)[1:])
+
+
+def _time_first_loop_step(run: loop.Run) -> float:
+    """Seconds for the loop's first step: compiling the step, starting the data pipeline, step 1."""
+    start = time.perf_counter()
+    _loop_steps(run, 1)
+    return time.perf_counter() - start
 
 
 def measure(config, rounds: int, steps: int) -> dict:
@@ -107,32 +126,34 @@ def measure(config, rounds: int, steps: int) -> dict:
     opt_state = jax.tree.map(jnp.copy, run.state.opt_state)
     ref_loss = float(loop.evaluate(run, [batch]))
     check = float(jax.jit(bare_loss, static_argnums=(2, 3))(params, batch, run.model.spec, dtype))
-    start = time.perf_counter()
-    params, opt_state, _ = _time_bare(bare, params, opt_state, batch, 1)
-    bare_compile = time.perf_counter() - start
+    loop_first = _time_first_loop_step(run)
+    params, opt_state, bare_first = _time_bare(bare, params, opt_state, batch, 1)  # compiles
     loop_times, bare_times = [], []
     for _ in range(rounds):
         loop_times.append(_time_loop(run, steps))
         params, opt_state, t = _time_bare(bare, params, opt_state, batch, steps)
         bare_times.append(t)
-    return {"loop_s": statistics.median(loop_times), "bare_s": statistics.median(bare_times),
-            "loss_gap": abs(ref_loss - check) / ref_loss, "bare_compile_s": bare_compile,
-            "tokens": config.train.global_batch_size * config.train.seq_len}
+    loop_s, bare_s = statistics.median(loop_times), statistics.median(bare_times)
+    return {"loop_s": loop_s, "bare_s": bare_s, "step_time_ratio": loop_s / bare_s,
+            "loop_first_step_s": loop_first, "bare_first_step_s": bare_first,
+            "compile_time_ratio": loop_first / bare_first, "loss_gap": abs(ref_loss - check) / ref_loss,
+            "tokens": config.train.global_batch_size * config.train.seq_len, "devices": jax.device_count(),
+            "rounds": rounds, "steps": steps}
 
 
 def report(config_path: str, result: dict) -> str:
-    ratio = result["loop_s"] / result["bare_s"]
-    return "\n".join([
-        f"### overhead: `{config_path}` on {jax.device_count()} x {jax.devices()[0].device_kind} "
-        f"({platform.processor() or platform.machine()}), {datetime.date.today()}",
-        "",
+    """The markdown entry: median step times, their ratio, and the time to first step."""
+    return _common.entry(f"overhead: `{config_path}` on {jax.device_count()} devices", "\n".join([
         "| step | median step time | tokens/s |",
         "|---|---|---|",
         f"| jaxscale loop (data, metrics) | {result['loop_s'] * 1e3:.1f} ms | {result['tokens'] / result['loop_s']:,.0f} |",
         f"| bare JAX step, resident batch | {result['bare_s'] * 1e3:.1f} ms | {result['tokens'] / result['bare_s']:,.0f} |",
         "",
-        f"ratio jaxscale/bare: **{ratio:.3f}**; same math check: relative loss gap {result['loss_gap']:.1e}.",
-    ])
+        f"ratio jaxscale/bare: **{result['step_time_ratio']:.3f}**; same math check: relative loss gap "
+        f"{result['loss_gap']:.1e}.",
+        f"Time to first step, compilation included: jaxscale loop {result['loop_first_step_s']:.2f} s, "
+        f"bare {result['bare_first_step_s']:.2f} s, ratio **{result['compile_time_ratio']:.2f}**.",
+    ]))
 
 
 def main() -> None:
@@ -141,15 +162,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--override", action="append", default=[], help="a.b=value, as --config.a.b")
-    parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    _common.add_flags(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.steps = 1, 2
+        args.override = SMOKE_OVERRIDES + args.override
     config = config_lib.load(args.config)
     config_lib.apply_overrides(config, args.override + ["metrics.progress=False", "metrics.tensorboard=False"])
-    text = report(args.config, measure(config, args.rounds, args.steps))
-    print(text)
-    if args.append:
-        with open(Path(__file__).parent / "RESULTS.md", "a") as out:
-            out.write("\n" + text + "\n")
+    result = measure(config, args.rounds, args.steps)
+    _common.report(args, report(args.config, result),
+                   {"benchmark": "overhead", "config": args.config, "overrides": args.override, **result})
 
 
 if __name__ == "__main__":

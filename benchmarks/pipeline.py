@@ -1,29 +1,31 @@
 """GPipe: step time against the microbatch count at a fixed number of stages, and the bubble.
 
-    python benchmarks/pipeline.py [--stages=2] [--microbatches=2,4,8,16] [--steps=9] [--append]
+    python benchmarks/pipeline.py [--stages=2] [--microbatches=2,4,8,16] [--steps=9] [--virtual_stages=1]
+        [--seq_len=256] [--json] [--append] [--smoke]
 
 Trains a 4-layer tiny model with mesh.pipeline=stages (and mesh.data=1) over a fixed global
 batch, for each microbatch count M. GPipe runs M+P-1 ticks of B/M sequences each, of which P-1
 are bubble, so the step time should follow  t(M) = c + c(P-1)/M. A least-squares line through
 t against 1/M gives the bubble-free time c (its intercept); the table compares the measured idle
-share 1 - c/t(M) with the formula (P-1)/(M+P-1).
+share 1 - c/t(M) with the formula (P-1)/(M+P-1). `--json` prints the rows (microbatches,
+step_s, idle_share, formula) and the fit (work_s, slope_s, bubble_ratio against formula_ratio).
 """
 
 from __future__ import annotations
 
+import _common  # noqa: I001  (first: puts this checkout's jaxscale on sys.path)
+
 import argparse
-import os
-import sys
 
 
-def _config(stages: int, count: int, batch: int, virtual: int):
+def _config(stages: int, count: int, batch: int, virtual: int, seq_len: int):
     from jaxscale import config as config_lib
 
     config = config_lib.load("configs/tiny.py")
     config_lib.apply_overrides(config, [
         "mesh.data=1", f"mesh.pipeline={stages}", f"pipeline.microbatches={count}", f"model.num_layers={4 * virtual}",
         f"pipeline.schedule={'circular' if virtual > 1 else 'gpipe'}", f"pipeline.virtual_stages={virtual}",
-        f"train.global_batch_size={batch}", "train.seq_len=256", "data.source=synthetic",
+        f"train.global_batch_size={batch}", f"train.seq_len={seq_len}", "data.source=synthetic",
         "metrics.progress=False", "metrics.tensorboard=False", "model.dtype=float32"])
     return config
 
@@ -61,43 +63,46 @@ def _interleaved(steppers: dict, rounds: int) -> dict:
     return {key: statistics.median(t) for key, t in times.items()}
 
 
+def _fit(times: dict[int, float]) -> dict:
+    """GPipe/circular: t(M) = c + c(P-1)/(V M). A line through t against 1/M; c is the bubble-free time."""
+    import numpy as np
+
+    counts = sorted(times)
+    slope, work = np.polyfit([1 / m for m in counts], [times[m] for m in counts], 1)
+    return {"work_s": float(work), "slope_s": float(slope), "bubble_ratio": float(slope / work)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--microbatches", default="2,4,8,16")
     parser.add_argument("--steps", type=int, default=9, help="timed rounds; each runs one step per M")
     parser.add_argument("--virtual_stages", type=int, default=1, help="1: gpipe; >1: the circular schedule")
-    parser.add_argument("--append", action="store_true")
+    parser.add_argument("--seq_len", type=int, default=256)
+    _common.add_flags(parser)
     args = parser.parse_args()
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.stages}"
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    import datetime
-
+    if args.smoke:
+        args.microbatches, args.steps, args.seq_len = "2,4", 1, 32
+    _common.fake_cpu_devices(args.stages)
     from jaxscale.parallel.pipeline import bubble_fraction
 
     counts = [int(x) for x in args.microbatches.split(",")]
-    batch = max(counts)
-    v = args.virtual_stages
-    times = _interleaved({m: _stepper(_config(args.stages, m, batch, v)) for m in counts}, args.steps)
-    import numpy as np
-
-    # GPipe/circular: t(M) = c + c(P-1)/(V M): fit t against 1/M; c is the bubble-free time.
-    slope, work = np.polyfit([1 / m for m in counts], [times[m] for m in counts], 1)
+    batch, v, p = max(counts), args.virtual_stages, args.stages
+    times = _interleaved({m: _stepper(_config(p, m, batch, v, args.seq_len)) for m in counts}, args.steps)
+    fit = {**_fit(times), "formula_ratio": (p - 1) / v}
+    rows = [{"microbatches": m, "step_s": times[m], "idle_share": 1 - fit["work_s"] / times[m],
+             "formula": bubble_fraction(p, m, v)} for m in counts]
     name = f"circular V={v}" if v > 1 else "gpipe"
-    rows = [f"### {name}: tiny model ({4 * v} layers, seq 256), P={args.stages} on {args.stages} x cpu, "
-            f"global batch {batch}, {datetime.date.today()}", "",
-            "| microbatches M | median step | measured idle share | formula (P-1)/(V*M+P-1) |", "|---|---|---|---|"]
-    for m in counts:
-        rows.append(f"| {m} | {times[m] * 1e3:,.0f} ms | {1 - work / times[m]:.2f} | "
-                    f"{bubble_fraction(args.stages, m, v):.2f} |")
-    rows.append(f"\nFit: t(M) = {work * 1e3:,.0f} ms + {slope * 1e3:,.0f} ms / M, i.e. (P-1)/V = {slope / work:.2f} "
-                f"(formula {(args.stages - 1) / v:.2f}).")
-    text = "\n".join(rows)
-    print(text)
-    if args.append:
-        with open(os.path.join(os.path.dirname(__file__), "RESULTS.md"), "a") as out:
-            out.write("\n" + text + "\n")
-    sys.stdout.flush()
+    lines = ["| microbatches M | median step | measured idle share | formula (P-1)/(V*M+P-1) |", "|---|---|---|---|"]
+    lines += [f"| {r['microbatches']} | {r['step_s'] * 1e3:,.0f} ms | {r['idle_share']:.2f} | {r['formula']:.2f} |"
+              for r in rows]
+    lines.append(f"\nFit: t(M) = {fit['work_s'] * 1e3:,.0f} ms + {fit['slope_s'] * 1e3:,.0f} ms / M, i.e. "
+                 f"(P-1)/V = {fit['bubble_ratio']:.2f} (formula {fit['formula_ratio']:.2f}).")
+    title = (f"{name}: tiny model ({4 * v} layers, seq {args.seq_len}), P={p} on {p} x cpu, "
+             f"global batch {batch}")
+    _common.report(args, _common.entry(title, "\n".join(lines)),
+                   {"benchmark": "pipeline", "stages": p, "virtual_stages": v, "global_batch": batch,
+                    "seq_len": args.seq_len, "steps": args.steps, "rows": rows, "fit": fit})
 
 
 if __name__ == "__main__":

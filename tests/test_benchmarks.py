@@ -1,0 +1,87 @@
+"""Every script in benchmarks/ runs once in its --smoke mode, so none of them rots.
+
+Each runs in a fresh process with 8 fake CPU devices as `python benchmarks/NAME --smoke --json
+--append ARGS`; the test parses the one JSON object it prints, checks it with the script's
+check below, and checks that --smoke left RESULTS.md alone. A new benchmark is one entry in
+BENCHMARKS: its file name, extra arguments, and a check of its JSON (or None for the common keys only).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+BENCH = ROOT / "benchmarks"
+BUS_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
+              "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
+              "collective-permute": lambda n: 1.0}
+
+
+def _check_collectives(out):
+    assert {(r["axis"], r["axis_size"]) for r in out["rows"]} == {("data", 2), ("tensor", 4)}
+    assert len(out["rows"]) == 2 * len(BUS_FACTOR)  # every collective on both axes, one size
+    for r in out["rows"]:
+        assert r["time_s"] > 0 and r["bytes"] == 1024
+        assert r["algbw_GBps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * BUS_FACTOR[r["collective"]](r["axis_size"]))
+        assert r["hlo"] == {r["collective"]: out["iters"]}  # the program runs what the row claims
+
+
+def _check_memory(out):
+    assert [r["layout"] for r in out["rows"]] == ["data=8,zero_stage=1", "data=2,fsdp=4"]
+    for r in out["rows"]:
+        got = r["per_device_bytes"]
+        for key in ("params", "grads", "opt_state"):
+            assert r["ratio"][key] == pytest.approx(1, rel=0.05), (r["layout"], key)
+        assert got["temp"] > 0 and got["total"] >= got["params"] + got["opt_state"]
+
+
+def _check_overhead(out):
+    assert out["loop_s"] > 0 and out["bare_s"] > 0 and out["loss_gap"] < 1e-4
+    assert out["step_time_ratio"] == pytest.approx(out["loop_s"] / out["bare_s"])
+    assert out["compile_time_ratio"] == pytest.approx(out["loop_first_step_s"] / out["bare_first_step_s"])
+    assert out["loop_first_step_s"] > out["loop_s"]  # the first step includes compiling
+
+
+def _check_context_parallel(out):
+    assert [r["mode"] for r in out["rows"]] == ["none", "ring", "all_gather"]
+    assert all(r["step_s"] > 0 and r["temp_bytes"] > 0 for r in out["rows"])
+
+
+def _check_pipeline(out):
+    assert [r["microbatches"] for r in out["rows"]] == [2, 4]
+    for r in out["rows"]:
+        assert r["step_s"] > 0 and r["formula"] == pytest.approx(1 / (r["microbatches"] + 1))  # P=2
+    assert out["fit"]["formula_ratio"] == 1.0
+
+
+BENCHMARKS = {  # file -> (extra arguments, check of its JSON)
+    "collectives.py": (["--mesh=data=2,tensor=4"], _check_collectives),
+    "memory.py": ([], _check_memory),
+    "overhead.py": ([], _check_overhead),
+    "context_parallel.py": ([], _check_context_parallel),
+    "pipeline.py": ([], _check_pipeline),
+}
+
+
+def test_every_benchmark_is_smoke_tested():
+    assert {p.name for p in BENCH.glob("*.py") if not p.name.startswith("_")} == set(BENCHMARKS)
+
+
+@pytest.mark.parametrize("script", sorted(BENCHMARKS))
+def test_smoke(script):
+    args, check = BENCHMARKS[script]
+    results = (BENCH / "RESULTS.md").read_text()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--json", "--append", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    assert out["benchmark"] == script.removesuffix(".py") and {"date", "command", "machine"} <= set(out)
+    if check is not None:
+        check(out)
+    assert (BENCH / "RESULTS.md").read_text() == results, "--smoke must not append"
