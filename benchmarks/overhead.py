@@ -17,9 +17,11 @@ from __future__ import annotations
 import _common  # noqa: I001  (first: puts this checkout's jaxscale on sys.path)
 
 import argparse
+import contextlib
 import statistics
+import sys
+import tempfile
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -27,10 +29,8 @@ import optax
 
 from jaxscale import config as config_lib
 from jaxscale import loop
-from jaxscale.metrics import MetricsWriter
 from jaxscale.optim import make_optimizer
 from jaxscale.step import compute_dtype
-from jaxscale.progress import ProgressDisplay
 
 
 SMOKE_OVERRIDES = ["model.d_model=64", "model.d_ff=128", "train.seq_len=32", "train.global_batch_size=8"]
@@ -96,28 +96,31 @@ def _time_bare(step, params, opt_state, batch, n):
     return params, opt_state, (time.perf_counter() - start) / n
 
 
-def _loop_steps(run: loop.Run, n: int) -> list[dict]:
+def _loop_steps(session: loop.Session, n: int) -> list[dict]:
     """n steps of jaxscale's own loop (data, metrics, logging every step); their records."""
-    run.config.train.steps = int(run.state.step) + n
-    quiet = ProgressDisplay(0, 0, enabled=False)
-    return loop.run_steps(run, quiet, MetricsWriter(Path("."), enabled=False, tensorboard=False))
+    return loop.run_steps(session, until=int(session.run.state.step) + n)
 
 
-def _time_loop(run: loop.Run, n: int) -> float:
+def _time_loop(session: loop.Session, n: int) -> float:
     """Median step time of jaxscale's loop over n steps, the first (which waits for data) left out."""
-    return statistics.median(r["step_time_s"] for r in _loop_steps(run, n)[1:])
+    return statistics.median(r["step_time_s"] for r in _loop_steps(session, n)[1:])
 
 
-def _time_first_loop_step(run: loop.Run) -> float:
+def _time_first_loop_step(session: loop.Session) -> float:
     """Seconds for the loop's first step: compiling the step, starting the data pipeline, step 1."""
     start = time.perf_counter()
-    _loop_steps(run, 1)
+    _loop_steps(session, 1)
     return time.perf_counter() - start
 
 
 def measure(config, rounds: int, steps: int) -> dict:
-    config.train.update(log_every=1, eval_every=0)
-    run = loop.setup(config)
+    config.train.update(log_every=1, eval_every=0, steps=1 + rounds * steps)
+    with tempfile.TemporaryDirectory() as workdir, loop.open_session(config, workdir, show_progress=False) as session:
+        return _measure(session, rounds, steps)
+
+
+def _measure(session: loop.Session, rounds: int, steps: int) -> dict:
+    run, config = session.run, session.run.config
     tx, _ = make_optimizer(config.optim, config.train.steps)
     dtype = compute_dtype(config.model.dtype)
     bare = bare_step(run, tx, dtype)
@@ -126,11 +129,11 @@ def measure(config, rounds: int, steps: int) -> dict:
     opt_state = jax.tree.map(jnp.copy, run.state.opt_state)
     ref_loss = float(loop.evaluate(run, [batch]))
     check = float(jax.jit(bare_loss, static_argnums=(2, 3))(params, batch, run.model.spec, dtype))
-    loop_first = _time_first_loop_step(run)
+    loop_first = _time_first_loop_step(session)
     params, opt_state, bare_first = _time_bare(bare, params, opt_state, batch, 1)  # compiles
     loop_times, bare_times = [], []
     for _ in range(rounds):
-        loop_times.append(_time_loop(run, steps))
+        loop_times.append(_time_loop(session, steps))
         params, opt_state, t = _time_bare(bare, params, opt_state, batch, steps)
         bare_times.append(t)
     loop_s, bare_s = statistics.median(loop_times), statistics.median(bare_times)
@@ -169,7 +172,8 @@ def main() -> None:
         args.override = SMOKE_OVERRIDES + args.override
     config = config_lib.load(args.config)
     config_lib.apply_overrides(config, args.override + ["metrics.progress=False", "metrics.tensorboard=False"])
-    result = measure(config, args.rounds, args.steps)
+    with contextlib.redirect_stdout(sys.stderr):  # the run's own messages; stdout is the report
+        result = measure(config, args.rounds, args.steps)
     _common.report(args, report(args.config, result),
                    {"benchmark": "overhead", "config": args.config, "overrides": args.override, **result})
 

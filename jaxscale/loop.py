@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
 import time
+from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
 
@@ -144,6 +146,22 @@ class Session:
     preemption: PreemptionWatch
     data_step: int = 0   # index of the next training batch (ahead of state.step after a rollback)
     rollbacks: int = 0
+    preempted: bool = False
+    _compiled: object = dataclasses.field(default=None, repr=False)
+    _val: list | None = dataclasses.field(default=None, repr=False)
+
+    def compiled(self):
+        """The train step compiled ahead of time (once per session), so step times never include it."""
+        if self._compiled is None:
+            self._compiled, seconds = compile_step(self.run)
+            self.display.print(f"compiled the train step in {seconds:.1f}s")
+        return self._compiled
+
+    def val_batches(self) -> list:
+        t = self.run.config.train
+        if self._val is None:
+            self._val = self.run.data.val_batches(t.eval_batches) if t.eval_every else []
+        return self._val
 
     def position(self) -> dict:
         """The data position saved with a checkpoint: independent of devices and processes."""
@@ -165,20 +183,17 @@ def _current_step(run: Run) -> int:
 def run_steps(session: Session, until: int | None = None) -> list[dict]:
     """Train from the state's step to train.steps (or `until`), saving when due and at the last
     step run; returns the logged records. Stops early, after saving, when preempted."""
-    run, t = session.run, session.run.config.train
-    compiled, compile_s = compile_step(run)
-    session.display.print(f"compiled the train step in {compile_s:.1f}s")
-    val = run.data.val_batches(t.eval_batches) if t.eval_every else []
+    t = session.run.config.train
     last, records = min(t.steps, until or t.steps), []
-    while _current_step(run) < last and _steps(session, compiled, val, last, records) == "rollback":
+    while not session.preempted and _current_step(session.run) < last and _steps(session, last, records) == "rollback":
         pass
     return records
 
 
-def _steps(session: Session, compiled, val, last: int, records: list[dict]) -> str:
+def _steps(session: Session, last: int, records: list[dict]) -> str:
     """Steps until `last`; returns done | preempted | rollback."""
     run, t = session.run, session.run.config.train
-    start = _current_step(run)
+    compiled, val, start = session.compiled(), session.val_batches(), _current_step(run)
     timer, batches = _Timer(start), run.data.train_batches(session.data_step)
     try:
         for step, batch in zip(range(start + 1, last + 1), batches):
@@ -193,6 +208,7 @@ def _steps(session: Session, compiled, val, last: int, records: list[dict]) -> s
                 records.append(_log(session, step, metrics, timer, val))
             if stop:
                 _finish_preemption(session, step)
+                session.preempted = True
                 return "preempted"
         return "done"
     finally:
@@ -256,41 +272,45 @@ def _summary(run: Run, workdir: Path) -> str:
             f"workdir {workdir}")
 
 
+@contextlib.contextmanager
+def open_session(config, workdir: str | Path, show_progress: bool = True, devices=None) -> Iterator[Session]:
+    """Everything a run on `workdir` holds while it trains: the workdir lock, the preemption
+    watch, the checkpointer, the run (state restored from where the workdir or the config says),
+    the metric writers and the console. Closing it waits for the last checkpoint to commit."""
+    workdir, devices = Path(workdir), list(devices or jax.devices())
+    config_lib.validate(config, len(devices), granule_count(devices))  # before touching the workdir
+    with (WorkdirLock(workdir), PreemptionWatch(config.checkpoint.preemption_timeout_s) as preemption,
+          Checkpointer(workdir / CHECKPOINTS, config.checkpoint) as checkpointer):
+        start = resume.choose(config, checkpointer)
+        run = setup(config, devices, init=start.kind == "fresh")  # never hold a fresh and a restored state
+        with _outputs(run, workdir, show_progress) as (writer, display):
+            display.print(_summary(run, workdir))
+            for note in run.notes:
+                display.print(f"note: {note}")
+            data_step = resume.apply(start, run, display.print)
+            yield Session(run, checkpointer, writer, display, preemption, data_step)
+
+
+@contextlib.contextmanager
+def _outputs(run: Run, workdir: Path, show_progress: bool):
+    """(metrics writer, console) of process 0 (the others get silent ones); config.json."""
+    config, main = run.config, jax.process_index() == 0
+    if main:
+        (workdir / "config.json").write_text(config_lib.to_json(config))
+    display = ProgressDisplay(config.train.steps, 0, main, show_bar=show_progress, show_steps=config.metrics.progress)
+    writer = metrics_lib.MetricsWriter(workdir, main, config.metrics.tensorboard)
+    try:
+        yield writer, display
+    finally:
+        writer.close()
+        display.close()
+
+
 def train(config, workdir: str | Path, show_progress: bool = True, until: int | None = None,
           devices=None) -> list[dict]:
     """Train as the config says (on all devices, or the given ones), writing config.json,
     metrics.jsonl, TensorBoard events and checkpoints; the same call on the same workdir resumes
     from the latest committed checkpoint. `until` stops after that step (call again to go on).
     SIGTERM/SIGINT stop after the step in flight with a checkpoint of it."""
-    workdir, devices = Path(workdir), list(devices or jax.devices())
-    config_lib.validate(config, len(devices), granule_count(devices))  # before touching the workdir
-    with WorkdirLock(workdir), PreemptionWatch(config.checkpoint.preemption_timeout_s) as preemption:
-        checkpointer = Checkpointer(workdir / CHECKPOINTS, config.checkpoint)
-        try:
-            start = resume.choose(config, checkpointer)
-            run = setup(config, devices, init=start.kind == "fresh")  # never hold a fresh and a restored state
-            return _train(run, workdir, checkpointer, preemption, start, show_progress, until)
-        finally:
-            checkpointer.close()
-
-
-def _train(run: Run, workdir: Path, checkpointer: Checkpointer, preemption: PreemptionWatch, start: resume.Start,
-           show_progress: bool, until: int | None) -> list[dict]:
-    config = run.config
-    main = jax.process_index() == 0
-    if main:
-        (workdir / "config.json").write_text(config_lib.to_json(config))
-    display = ProgressDisplay(config.train.steps, 0, main, show_bar=show_progress, show_steps=config.metrics.progress)
-    writer = metrics_lib.MetricsWriter(workdir, main, config.metrics.tensorboard)
-    try:
-        display.print(_summary(run, workdir))
-        for note in run.notes:
-            display.print(f"note: {note}")
-        data_step = resume.apply(start, run, display.print)
-        session = Session(run, checkpointer, writer, display, preemption, data_step)
+    with open_session(config, workdir, show_progress, devices) as session:
         return run_steps(session, until)
-    finally:
-        writer.close()
-        display.close()
-
-

@@ -224,6 +224,12 @@ class Checkpointer:
         self._manager.reload()
         return f"moved it to {destination}; "
 
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         """Wait for the last save to commit, then release Orbax's threads; raises RunError if
         that save failed."""
