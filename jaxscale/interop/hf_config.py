@@ -15,8 +15,22 @@ from jaxscale.errors import ConfigError
 FIELDS = ("family", "num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff", "vocab_size",
           "max_seq_len", "tie_embeddings", "rope_theta", "norm_eps")
 
-# GPT-2 activations that are exactly our tanh-approximated GELU.
-TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
+# HF settings our model computes at these values only: field -> (supported values, HF's default, why).
+SUPPORTED = {
+    "llama": {
+        "hidden_act": (("silu",), "silu", "jaxscale's llama MLP is SwiGLU with silu"),
+        "attention_bias": ((False,), False, "jaxscale's llama attention has no biases"),
+        "mlp_bias": ((False,), False, "jaxscale's llama MLP has no biases"),
+        "rope_scaling": ((None,), None, "jaxscale implements plain RoPE only, without scaling"),
+    },
+    "gpt2": {  # gelu_new and gelu_pytorch_tanh are both exactly our tanh-approximated GELU
+        "activation_function": (("gelu_new", "gelu_pytorch_tanh"), "gelu_new",
+                                "jaxscale's gpt2 MLP uses the tanh-approximated GELU"),
+        "scale_attn_weights": ((True,), True, "jaxscale always scales attention scores by 1/sqrt(head_dim)"),
+        "scale_attn_by_inverse_layer_idx": ((False,), False, "jaxscale's gpt2 has no per-layer attention scaling"),
+        "add_cross_attention": ((False,), False, "jaxscale's gpt2 is decoder-only"),
+    },
+}
 
 
 def read_hf_config(hf_dir) -> dict:
@@ -45,24 +59,24 @@ def _refuse_unless(ok: bool, field: str, value, fix: str):
         raise ConfigError(field, value, fix)
 
 
+def _refuse_unsupported(hf: dict, family: str) -> None:
+    for field, (supported, default, why) in SUPPORTED[family].items():
+        value = hf.get(field, default)
+        _refuse_unless(value in supported, field, value, f"{why} (supported: {', '.join(map(repr, supported))})")
+
+
 def _rope_theta(hf: dict) -> float:
-    """rope_theta from either spelling; any RoPE scaling is refused (our RoPE has none)."""
+    """rope_theta from either spelling (4.x: rope_theta, 5.x: rope_parameters); RoPE scaling is refused."""
     params = hf.get("rope_parameters") or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     _refuse_unless(rope_type == "default", "rope_parameters.rope_type", rope_type,
-                   "jaxscale implements plain RoPE only; use a checkpoint without RoPE scaling")
-    _refuse_unless(hf.get("rope_scaling") is None, "rope_scaling", hf.get("rope_scaling"),
-                   "jaxscale implements plain RoPE only; use a checkpoint without RoPE scaling")
+                   "jaxscale implements plain RoPE only, without scaling; use a checkpoint without it")
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
 def _from_llama(hf: dict) -> dict:
+    _refuse_unsupported(hf, "llama")
     d_model, heads = hf["hidden_size"], hf["num_attention_heads"]
-    _refuse_unless(hf.get("hidden_act", "silu") == "silu", "hidden_act", hf.get("hidden_act"),
-                   "jaxscale's llama MLP is SwiGLU with silu")
-    for field in ("attention_bias", "mlp_bias"):
-        _refuse_unless(not hf.get(field, False), field, hf.get(field),
-                       "jaxscale's llama layers have no biases; use a checkpoint without them")
     head_dim = hf.get("head_dim") or d_model // heads
     _refuse_unless(head_dim * heads == d_model, "head_dim", head_dim,
                    f"jaxscale needs head_dim * num_attention_heads == hidden_size ({d_model})")
@@ -74,14 +88,7 @@ def _from_llama(hf: dict) -> dict:
 
 
 def _from_gpt2(hf: dict) -> dict:
-    act = hf.get("activation_function", "gelu_new")
-    _refuse_unless(act in TANH_GELU, "activation_function", act,
-                   f"jaxscale's gpt2 MLP uses the tanh GELU ({' or '.join(TANH_GELU)})")
-    _refuse_unless(hf.get("scale_attn_weights", True), "scale_attn_weights", hf.get("scale_attn_weights"),
-                   "jaxscale always scales attention scores by 1/sqrt(head_dim)")
-    for field in ("scale_attn_by_inverse_layer_idx", "add_cross_attention"):
-        _refuse_unless(not hf.get(field, False), field, hf.get(field),
-                       "jaxscale's gpt2 has no such option; set it false")
+    _refuse_unsupported(hf, "gpt2")
     d_model = hf["n_embd"]
     return dict(family="gpt2", num_layers=hf["n_layer"], d_model=d_model, num_heads=hf["n_head"],
                 num_kv_heads=hf["n_head"], d_ff=hf.get("n_inner") or 4 * d_model, vocab_size=hf["vocab_size"],
