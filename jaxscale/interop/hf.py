@@ -1,0 +1,174 @@
+"""Hugging Face weights in and out: Llama (LlamaForCausalLM) and GPT-2 (GPT2LMHeadModel).
+
+Both directions keep host memory near one tensor (loading) or one shard (saving): tensors are
+read and written one at a time, and stacked layer parameters one layer slice at a time.
+The logits of the imported or exported model match the source model's (tests/test_interop.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax.traverse_util import flatten_dict, unflatten_dict
+
+from jaxscale.errors import ConfigError
+from jaxscale.interop import hf_files, stacked
+from jaxscale.interop.hf_config import check_spec_matches, hf_config_from_spec, model_config_from_hf
+from jaxscale.interop.hf_names import (BASE_PREFIX, IGNORED_SUFFIXES, Row, hf_name, hf_part_sizes, hf_shape,
+                                       rows_for, to_hf, to_ours)
+from jaxscale.models import LanguageModel
+
+__all__ = ["model_config_from_hf", "load_hf_params", "save_hf"]
+
+DEFAULT_SHARD_BYTES = 5 * 10**9  # transformers' own default shard size ("5GB")
+
+
+def load_hf_params(hf_dir, spec, shardings=None) -> dict:
+    """Our parameter tree (same keys and shapes as LanguageModel(spec).init, float32) from an HF dir.
+
+    `hf_dir` holds config.json and model.safetensors, or shards with model.safetensors.index.json.
+    `spec` must agree with the checkpoint's config (model_config_from_hf gives the fields).
+    `shardings`: an optional tree of NamedSharding matching the parameters; each array is created
+    with its sharding (default: the default device). bf16/fp16 tensors are converted to float32.
+    Raises ConfigError naming the field or tensor when the checkpoint does not fit `spec`.
+    """
+    check_spec_matches(spec, hf_dir)
+    shapes = _param_shapes(spec)
+    layer_shapes = _per_layer(shapes)
+    place = flatten_dict(shardings, sep="/") if shardings is not None else dict.fromkeys(shapes)
+    rows = rows_for(spec.family, set(shapes))
+    params = {}
+    with hf_files.CheckpointReader(hf_dir) as reader:
+        names = _checkpoint_names(reader, rows, spec, layer_shapes)
+        for row in rows:
+            for path, (start, stop) in zip(row.ours, _part_ranges(row, layer_shapes)):
+                read = functools.partial(_read_param, reader, names, row, layer_shapes[path], start, stop)
+                params[path] = (stacked.assemble(read, shapes[path], place[path]) if row.stacked
+                                else jax.device_put(read(None), place[path]))
+    return unflatten_dict(params, sep="/")
+
+
+def save_hf(params: dict, spec, out_dir, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
+    """Write `params` (a tree shaped like LanguageModel(spec).init) as an HF checkpoint in out_dir.
+
+    Writes config.json (a LlamaConfig or GPT2Config) and float32 safetensors: model.safetensors,
+    or shards of at most max_shard_bytes (a bigger tensor gets a shard alone) plus
+    model.safetensors.index.json. Removes safetensors files of an earlier save in out_dir, which
+    transformers could otherwise pick up. Arrays may be sharded over this process's devices.
+    Returns the safetensors paths written.
+    """
+    config = hf_config_from_spec(spec)  # refuse before anything is written
+    flat = flatten_dict(params, sep="/")
+    _check_tree(flat, spec)
+    layer_shapes = _per_layer({path: tuple(x.shape) for path, x in flat.items()})
+    tensors = _export_order(rows_for(spec.family, set(flat)), spec.num_layers)
+    sizes = {name: 4 * math.prod(hf_shape(row, layer_shapes)) for name, (row, _) in tensors.items()}
+    shards = hf_files.plan_shards(sizes, max_shard_bytes)
+    files = hf_files.shard_file_names(len(shards))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    _remove_earlier_save(out)
+    for shard, file in zip(shards, files):
+        hf_files.write_shard(out / file, {name: _hf_tensor(flat, *tensors[name]) for name in shard})
+    if len(shards) > 1:
+        hf_files.write_index(out, {name: file for shard, file in zip(shards, files) for name in shard},
+                             sum(sizes.values()))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return [out / file for file in files]
+
+
+def _read_param(reader, names, row: Row, shape, start, stop, layer: int | None):
+    """One parameter (its layer `layer` when stacked) from the checkpoint, in our shape, float32."""
+    return to_ours(reader.read(names[row, layer], row.out_axis, start, stop), row, shape)
+
+
+def _param_shapes(spec) -> dict[str, tuple[int, ...]]:
+    """'a/b' path -> shape of every parameter the model built from `spec` has."""
+    return {path: tuple(s.shape) for path, s in flatten_dict(LanguageModel(spec).shapes, sep="/").items()}
+
+
+def _per_layer(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Shapes with the leading `layers` dimension of stacked parameters dropped."""
+    return {path: shape[1:] if path.startswith("layers/") else shape for path, shape in shapes.items()}
+
+
+def _layers(row: Row, num_layers: int) -> range | tuple[None]:
+    return range(num_layers) if row.stacked else (None,)
+
+
+def _part_ranges(row: Row, layer_shapes) -> list[tuple[int | None, int | None]]:
+    """[start, stop) of each of the row's parameters along HF's output axis; (None, None) when unfused."""
+    if len(row.ours) == 1:
+        return [(None, None)]
+    ends = [0]
+    for size in hf_part_sizes(row, layer_shapes):
+        ends.append(ends[-1] + size)
+    return list(zip(ends[:-1], ends[1:]))
+
+
+def _checkpoint_names(reader, rows, spec, layer_shapes) -> dict[tuple[Row, int | None], str]:
+    """(row, layer) -> the checkpoint's tensor name, after checking each shape and that nothing is left over."""
+    names = {}
+    for row in rows:
+        for layer in _layers(row, spec.num_layers):
+            name = _find(reader, hf_name(row, layer), BASE_PREFIX[spec.family])
+            expected = hf_shape(row, layer_shapes)
+            if reader.shape(name) != expected:
+                raise ConfigError("tensor", name, f"has shape {reader.shape(name)} but its config.json implies "
+                                                  f"{expected}; the checkpoint does not match its config")
+            names[row, layer] = name
+    _refuse_leftovers(set(reader.files) - set(names.values()), spec)
+    return names
+
+
+def _find(reader, name: str, prefix: str) -> str:
+    """`name`, or the same without the base-model prefix (checkpoints saved from GPT2Model/LlamaModel)."""
+    for candidate in (name, name.removeprefix(prefix)):
+        if candidate in reader.files:
+            return candidate
+    raise ConfigError("tensor", name, f"is missing from the checkpoint in {reader.dir}")
+
+
+def _refuse_leftovers(leftover: set[str], spec) -> None:
+    """A tensor we have no parameter for would be dropped silently: refuse it unless it holds none."""
+    tied_head = {"lm_head.weight"} if spec.tie_embeddings else set()  # some tied checkpoints store the copy
+    unknown = sorted(n for n in leftover if not n.endswith(IGNORED_SUFFIXES) and n not in tied_head)
+    if unknown:
+        raise ConfigError("tensor", unknown[0], f"jaxscale's {spec.family} has no parameter for it ({len(unknown)} "
+                                                f"such tensor(s)); this checkpoint is not a plain {spec.family}")
+
+
+def _check_tree(flat: dict, spec) -> None:
+    expected = _param_shapes(spec)
+    for path in sorted(set(expected) | set(flat)):
+        got = tuple(flat[path].shape) if path in flat else None
+        if got != expected.get(path):
+            raise ValueError(f"params[{path!r}] has shape {got} but the model of `spec` has {expected.get(path)}")
+
+
+def _export_order(rows, num_layers: int) -> dict[str, tuple[Row, int | None]]:
+    """HF name -> (row, layer): unstacked tensors first, then layer by layer, so shards follow depth."""
+    order = [(row, None) for row in rows if not row.stacked]
+    order += [(row, layer) for layer in range(num_layers) for row in rows if row.stacked]
+    return {hf_name(row, layer): (row, layer) for row, layer in order}
+
+
+def _hf_tensor(flat: dict, row: Row, layer: int | None):
+    """The row's HF tensor for `layer`, fetched one parameter slice at a time (fused parts concatenated)."""
+    parts = [to_hf(stacked.fetch(flat[path], layer), row) for path in row.ours]
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=row.out_axis)
+
+
+_OUR_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+
+
+def _remove_earlier_save(out: Path) -> None:
+    for path in out.iterdir():
+        if _OUR_FILES.fullmatch(path.name):
+            path.unlink()

@@ -1,0 +1,124 @@
+"""Hugging Face `config.json` <-> jaxscale `model.*` fields, refusing what our model cannot compute.
+
+Reads the legacy (transformers 4.x: `rope_theta`, `rope_scaling`) and current (5.x:
+`rope_parameters`) spellings; writes the legacy one, which both read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jaxscale.errors import ConfigError
+
+# The model.* fields an HF config decides.
+FIELDS = ("family", "num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff", "vocab_size",
+          "max_seq_len", "tie_embeddings", "rope_theta", "norm_eps")
+
+# HF settings our model computes at these values only: field -> (supported values, HF's default, why).
+SUPPORTED = {
+    "llama": {
+        "hidden_act": (("silu",), "silu", "jaxscale's llama MLP is SwiGLU with silu"),
+        "attention_bias": ((False,), False, "jaxscale's llama attention has no biases"),
+        "mlp_bias": ((False,), False, "jaxscale's llama MLP has no biases"),
+        "rope_scaling": ((None,), None, "jaxscale implements plain RoPE only, without scaling"),
+    },
+    "gpt2": {  # gelu_new and gelu_pytorch_tanh are both exactly our tanh-approximated GELU
+        "activation_function": (("gelu_new", "gelu_pytorch_tanh"), "gelu_new",
+                                "jaxscale's gpt2 MLP uses the tanh-approximated GELU"),
+        "scale_attn_weights": ((True,), True, "jaxscale always scales attention scores by 1/sqrt(head_dim)"),
+        "scale_attn_by_inverse_layer_idx": ((False,), False, "jaxscale's gpt2 has no per-layer attention scaling"),
+        "add_cross_attention": ((False,), False, "jaxscale's gpt2 is decoder-only"),
+    },
+}
+
+
+def read_hf_config(hf_dir) -> dict:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise ConfigError("hf_dir", str(hf_dir), "has no config.json; point it at a saved Hugging Face model directory")
+    return json.loads(path.read_text())
+
+
+def model_config_from_hf(hf_dir) -> dict:
+    """jaxscale `model.*` fields (FIELDS) for the HF model in `hf_dir`.
+
+    Raises ConfigError naming the HF field for settings our model cannot reproduce exactly.
+    """
+    hf = read_hf_config(hf_dir)
+    family = hf.get("model_type")
+    if family == "llama":
+        return _from_llama(hf)
+    if family == "gpt2":
+        return _from_gpt2(hf)
+    raise ConfigError("model_type", family, "jaxscale imports Hugging Face models of type 'llama' or 'gpt2' only")
+
+
+def _refuse_unless(ok: bool, field: str, value, fix: str):
+    if not ok:
+        raise ConfigError(field, value, fix)
+
+
+def _refuse_unsupported(hf: dict, family: str) -> None:
+    for field, (supported, default, why) in SUPPORTED[family].items():
+        value = hf.get(field, default)
+        _refuse_unless(value in supported, field, value, f"{why} (supported: {', '.join(map(repr, supported))})")
+
+
+def _rope_theta(hf: dict) -> float:
+    """rope_theta from either spelling (4.x: rope_theta, 5.x: rope_parameters); RoPE scaling is refused."""
+    params = hf.get("rope_parameters") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    _refuse_unless(rope_type == "default", "rope_parameters.rope_type", rope_type,
+                   "jaxscale implements plain RoPE only, without scaling; use a checkpoint without it")
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _from_llama(hf: dict) -> dict:
+    _refuse_unsupported(hf, "llama")
+    d_model, heads = hf["hidden_size"], hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or d_model // heads
+    _refuse_unless(head_dim * heads == d_model, "head_dim", head_dim,
+                   f"jaxscale needs head_dim * num_attention_heads == hidden_size ({d_model})")
+    return dict(family="llama", num_layers=hf["num_hidden_layers"], d_model=d_model, num_heads=heads,
+                num_kv_heads=hf.get("num_key_value_heads") or heads, d_ff=hf["intermediate_size"],
+                vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
+                tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_theta=_rope_theta(hf),
+                norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
+
+
+def _from_gpt2(hf: dict) -> dict:
+    _refuse_unsupported(hf, "gpt2")
+    d_model = hf["n_embd"]
+    return dict(family="gpt2", num_layers=hf["n_layer"], d_model=d_model, num_heads=hf["n_head"],
+                num_kv_heads=hf["n_head"], d_ff=hf.get("n_inner") or 4 * d_model, vocab_size=hf["vocab_size"],
+                max_seq_len=hf["n_positions"], tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                rope_theta=10000.0, norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
+
+
+def hf_config_from_spec(spec) -> dict:
+    """A config.json dict (LlamaConfig or GPT2Config) describing the model `spec` builds."""
+    if spec.family == "gpt2":
+        _refuse_unless(spec.num_kv_heads == spec.num_heads, "model.num_kv_heads", spec.num_kv_heads,
+                       f"Hugging Face GPT-2 has no grouped-query attention; set it to model.num_heads={spec.num_heads}")
+        return dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_layer=spec.num_layers,
+                    n_embd=spec.d_model, n_head=spec.num_heads, n_inner=spec.d_ff, vocab_size=spec.vocab_size,
+                    n_positions=spec.max_seq_len, layer_norm_epsilon=spec.norm_eps, activation_function="gelu_new",
+                    tie_word_embeddings=spec.tie_embeddings, initializer_range=spec.init_std, torch_dtype="float32")
+    return dict(model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=spec.num_layers,
+                hidden_size=spec.d_model, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+                head_dim=spec.d_model // spec.num_heads, intermediate_size=spec.d_ff, vocab_size=spec.vocab_size,
+                max_position_embeddings=spec.max_seq_len, rms_norm_eps=spec.norm_eps, rope_theta=spec.rope_theta,
+                hidden_act="silu", attention_bias=False, mlp_bias=False, tie_word_embeddings=spec.tie_embeddings,
+                initializer_range=spec.init_std, torch_dtype="float32")
+
+
+def check_spec_matches(spec, hf_dir) -> None:
+    """Raise ConfigError naming the first model.* field where `spec` differs from the checkpoint."""
+    hf = model_config_from_hf(hf_dir)
+    # rope_theta means nothing to gpt2, and llama's max_seq_len shapes no parameter.
+    skip = {"rope_theta"} if hf["family"] == "gpt2" else {"max_seq_len"}
+    for field in FIELDS:
+        if field not in skip and getattr(spec, field) != hf[field]:
+            fix = f"the Hugging Face checkpoint in {hf_dir} has {hf[field]!r}; set model.{field}={hf[field]!r}"
+            raise ConfigError(f"model.{field}", getattr(spec, field), fix)

@@ -1,0 +1,128 @@
+"""Which Hugging Face tensor holds which jaxscale parameter, and how its layout differs.
+
+The mapping is data: one table per family. Every row names an HF tensor, the jaxscale
+parameter(s) it holds and its storage kind; `to_ours` / `to_hf` are the only layout code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+# Storage kinds of an HF tensor, seen from our parameter's per-layer shape:
+LINEAR = "linear"  # torch nn.Linear weight [out, in]: ours is its transpose, reshaped
+MATRIX = "matrix"  # stored [in, out] (GPT-2 Conv1D) or [rows, D] (embedding tables): ours reshaped
+VECTOR = "vector"  # a bias or norm scale stored flat: ours reshaped
+
+# HF's causal-LM classes keep the base model under this attribute; a checkpoint saved from the
+# base model (GPT2Model, as on the original GPT-2 uploads) has the same names without it.
+BASE_PREFIX = {"llama": "model.", "gpt2": "transformer."}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One HF tensor. `ours` lists the parameter paths it holds ("layers/attn/wq"); several
+    when HF fuses them (GPT-2's c_attn), concatenated along HF's output axis in that order.
+    `in_dims` is how many leading dimensions of our per-layer shape form HF's input axis."""
+
+    ours: tuple[str, ...]
+    hf: str  # "{i}" stands for the layer index in names of stacked parameters
+    kind: str
+    in_dims: int = 1
+
+    @property
+    def stacked(self) -> bool:
+        return self.ours[0].startswith("layers/")
+
+    @property
+    def out_axis(self) -> int:
+        """The HF axis along which fused parts are concatenated."""
+        return 0 if self.kind == LINEAR else -1
+
+
+def _rows(*rows) -> tuple[Row, ...]:
+    return tuple(Row((ours,) if isinstance(ours, str) else ours, hf, kind, *rest) for ours, hf, kind, *rest in rows)
+
+
+_QKV = ("layers/attn/wq", "layers/attn/wk", "layers/attn/wv")
+_QKV_BIAS = ("layers/attn/bias_q", "layers/attn/bias_k", "layers/attn/bias_v")
+
+TABLES: dict[str, tuple[Row, ...]] = {
+    "llama": _rows(
+        ("embed", "model.embed_tokens.weight", MATRIX),
+        ("head", "lm_head.weight", LINEAR),
+        ("final_norm/scale", "model.norm.weight", VECTOR),
+        ("layers/attn_norm/scale", "model.layers.{i}.input_layernorm.weight", VECTOR),
+        ("layers/attn/wq", "model.layers.{i}.self_attn.q_proj.weight", LINEAR),
+        ("layers/attn/wk", "model.layers.{i}.self_attn.k_proj.weight", LINEAR),
+        ("layers/attn/wv", "model.layers.{i}.self_attn.v_proj.weight", LINEAR),
+        ("layers/attn/wo", "model.layers.{i}.self_attn.o_proj.weight", LINEAR, 2),
+        ("layers/mlp_norm/scale", "model.layers.{i}.post_attention_layernorm.weight", VECTOR),
+        ("layers/mlp/w_gate", "model.layers.{i}.mlp.gate_proj.weight", LINEAR),
+        ("layers/mlp/w_up", "model.layers.{i}.mlp.up_proj.weight", LINEAR),
+        ("layers/mlp/w_down", "model.layers.{i}.mlp.down_proj.weight", LINEAR),
+    ),
+    "gpt2": _rows(
+        ("embed", "transformer.wte.weight", MATRIX),
+        ("pos_embed", "transformer.wpe.weight", MATRIX),
+        ("head", "lm_head.weight", LINEAR),
+        ("final_norm/scale", "transformer.ln_f.weight", VECTOR),
+        ("final_norm/bias", "transformer.ln_f.bias", VECTOR),
+        ("layers/attn_norm/scale", "transformer.h.{i}.ln_1.weight", VECTOR),
+        ("layers/attn_norm/bias", "transformer.h.{i}.ln_1.bias", VECTOR),
+        (_QKV, "transformer.h.{i}.attn.c_attn.weight", MATRIX),
+        (_QKV_BIAS, "transformer.h.{i}.attn.c_attn.bias", VECTOR),
+        ("layers/attn/wo", "transformer.h.{i}.attn.c_proj.weight", MATRIX, 2),
+        ("layers/attn/bias_o", "transformer.h.{i}.attn.c_proj.bias", VECTOR),
+        ("layers/mlp_norm/scale", "transformer.h.{i}.ln_2.weight", VECTOR),
+        ("layers/mlp_norm/bias", "transformer.h.{i}.ln_2.bias", VECTOR),
+        ("layers/mlp/w_in", "transformer.h.{i}.mlp.c_fc.weight", MATRIX),
+        ("layers/mlp/bias_in", "transformer.h.{i}.mlp.c_fc.bias", VECTOR),
+        ("layers/mlp/w_out", "transformer.h.{i}.mlp.c_proj.weight", MATRIX),
+        ("layers/mlp/bias_out", "transformer.h.{i}.mlp.c_proj.bias", VECTOR),
+    ),
+}
+
+# Tensors HF checkpoints may carry that hold no parameter: the causal-mask buffers of older
+# GPT-2 saves and the RoPE frequencies of older Llama saves (we recompute both).
+IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+
+
+def rows_for(family: str, paths: set[str]) -> tuple[Row, ...]:
+    """The family's rows whose parameters the model has (no `head` when tied, ...)."""
+    return tuple(row for row in TABLES[family] if row.ours[0] in paths)
+
+
+def hf_name(row: Row, layer: int | None) -> str:
+    return row.hf.format(i=layer) if row.stacked else row.hf
+
+
+def to_ours(hf_part: np.ndarray, row: Row, shape: tuple[int, ...]) -> np.ndarray:
+    """An HF tensor (or the part of a fused one that holds this parameter) in our per-layer shape."""
+    value = hf_part.T if row.kind == LINEAR else hf_part
+    return np.ascontiguousarray(value.reshape(shape), dtype=np.float32)
+
+
+def to_hf(ours: np.ndarray, row: Row) -> np.ndarray:
+    """Our per-layer value in HF's layout (a part of it when HF fuses several parameters)."""
+    if row.kind == VECTOR:
+        return ours.reshape(-1)
+    matrix = ours.reshape(math.prod(ours.shape[:row.in_dims]), -1)
+    return np.ascontiguousarray(matrix.T if row.kind == LINEAR else matrix)
+
+
+def hf_part_sizes(row: Row, shapes: dict[str, tuple[int, ...]]) -> list[int]:
+    """Length along HF's output axis of each part of the row (`shapes`: per-layer shapes of ours)."""
+    in_dims = 0 if row.kind == VECTOR else row.in_dims
+    return [math.prod(shapes[path][in_dims:]) for path in row.ours]
+
+
+def hf_shape(row: Row, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+    """The shape HF stores the row's tensor in (`shapes`: per-layer shapes of ours)."""
+    out = sum(hf_part_sizes(row, shapes))
+    if row.kind == VECTOR:
+        return (out,)
+    fan_in = math.prod(shapes[row.ours[0]][:row.in_dims])
+    return (out, fan_in) if row.kind == LINEAR else (fan_in, out)
