@@ -154,7 +154,7 @@ def add_axis(spec: P, shape: tuple[int, ...], axis: str, mesh: Mesh) -> P:
         return spec
     best = max(fits, key=lambda d: shape[d] // parts(entries[d]))
     current = () if entries[best] is None else (entries[best],) if isinstance(entries[best], str) else entries[best]
-    entries[best] = _entry(tuple(sorted(current + (axis,), key=AXES.index)))  # outer mesh axis first
+    entries[best] = _entry(tuple(sorted(current + (axis,), key=mesh.axis_names.index)))  # outer mesh axis first
     while entries and entries[-1] is None:
         entries.pop()
     return P(*entries)

@@ -59,7 +59,14 @@ def _check_pipeline(out):
     assert out["fit"]["formula_ratio"] == 1.0
 
 
+def _check_checkpoint(out):
+    assert out["state_bytes"] > 0 and out["repeats"] == 1
+    assert 0 < out["async_blocking_s"] and 0 < out["sync_save_s"] and 0 < out["restore_s"]
+    assert out["blocking_ratio"] == pytest.approx(out["async_blocking_s"] / out["sync_save_s"])
+
+
 BENCHMARKS = {  # file -> (extra arguments, check of its JSON)
+    "checkpoint.py": ([], _check_checkpoint),
     "collectives.py": (["--mesh=data=2,tensor=4"], _check_collectives),
     "memory.py": ([], _check_memory),
     "overhead.py": ([], _check_overhead),

@@ -114,14 +114,21 @@ class Checkpointer:
         return self._timer.should_save(current, [previous], context=context)
 
     def save(self, step: int, state, position: dict, meta: dict, config: dict) -> None:
-        """Start an asynchronous save of `state` (blocks only for the digests and the copy off
-        the devices). Raises RunError if the previous save failed."""
+        """Start an asynchronous save of `state`: blocks only while the arrays are copied off the
+        devices (the digests are computed meanwhile and written by the background commit).
+        Raises RunError if the previous save failed."""
         if step == self.latest_step():
             return
-        meta = dict(meta, step=step, saved_at=_now().isoformat(), digests=digest.digests(state))
+        digests = digest.pending(state)
+        meta = dict(meta, step=step, saved_at=_now().isoformat(), digests=digests)
         args = ocp.args.Composite(state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(position),
                                   meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(config))
-        self._surface_errors(lambda: self._manager.save(step, args=args, force=True))
+        try:
+            self._surface_errors(lambda: self._manager.save(step, args=args, force=True))
+            digests.provide(digest.dispatch(state))  # before the next step can donate the state
+        except BaseException as error:
+            digests.provide(error=error)  # never leave the commit thread waiting
+            raise
         self._pending, self._last_save_time = step, _now()
 
     def check(self) -> None:

@@ -1,0 +1,96 @@
+"""How long a checkpoint save blocks the training loop: asynchronous against synchronous, and restore.
+
+    python benchmarks/checkpoint.py [--config=configs/tiny.py] [--override=a.b=v ...] [--repeats=5]
+        [--devices=N] [--json] [--append] [--smoke]
+
+The state is a real TrainState (parameters and Adam moments) of the config's model, by default
+widened to about 230 MB. Each repeat, interleaved so machine noise hits all three:
+  async   the time jaxscale's Checkpointer.save blocks (digests of every array, the copy off the
+          devices, the start of the background write); the commit is then awaited, untimed;
+  sync    save and wait for the commit: what a synchronous checkpoint costs the loop;
+  restore the newest step read back onto the same shardings, digests verified.
+blocking_ratio = median async / median sync (lower is better; 0.1 means the loop waits a tenth).
+"""
+
+from __future__ import annotations
+
+import _common  # noqa: I001  (first: puts this checkout's jaxscale on sys.path)
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+
+from jaxscale import config as config_lib
+from jaxscale import loop
+from jaxscale.checkpoint import Checkpointer
+
+# About 19M parameters: 230 MB of float32 parameters and Adam moments.
+WIDE = ["model.d_model=768", "model.d_ff=3072", "model.num_layers=2", "model.num_heads=12", "model.num_kv_heads=12"]
+SMOKE = ["model.d_model=64", "model.d_ff=128", "model.num_layers=1"]
+
+
+def _state_bytes(state) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+
+def _timed(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def measure(config, repeats: int, workdir: Path) -> dict:
+    config.checkpoint.update(every_steps=0, max_to_keep=2)
+    run = loop.setup(config)
+    times = {"async": [], "sync": [], "restore": []}
+    meta = {"benchmark": True}
+    with Checkpointer(workdir, config.checkpoint) as checkpointer:
+        step = 0
+        for _ in range(repeats):
+            step += 1
+            times["async"].append(_timed(lambda: checkpointer.save(step, run.state, {}, meta, {})))
+            checkpointer.wait()
+            step += 1
+            times["sync"].append(_timed(lambda: (checkpointer.save(step, run.state, {}, meta, {}),
+                                                 checkpointer.wait())))
+            times["restore"].append(_timed(lambda: jax.block_until_ready(checkpointer.restore(run.state).state)))
+    medians = {key: statistics.median(values) for key, values in times.items()}
+    return {"state_bytes": _state_bytes(run.state), "devices": jax.device_count(), "repeats": repeats,
+            "async_blocking_s": medians["async"], "sync_save_s": medians["sync"], "restore_s": medians["restore"],
+            "blocking_ratio": medians["async"] / medians["sync"], "samples": times}
+
+
+def report(result: dict) -> str:
+    size = result["state_bytes"]
+    rows = [("async save (loop blocked)", result["async_blocking_s"]), ("sync save (loop blocked)", result["sync_save_s"]),
+            ("restore, digests verified", result["restore_s"])]
+    return _common.entry(f"checkpoint: {_common.size_text(size)} TrainState on {result['devices']} devices", "\n".join(
+        ["| operation | median time | throughput |", "|---|---|---|"]
+        + [f"| {name} | {seconds * 1e3:,.0f} ms | {size / seconds / 2**20:,.0f} MiB/s |" for name, seconds in rows]
+        + ["", f"blocking ratio async/sync: **{result['blocking_ratio']:.3f}** (median of {result['repeats']} "
+           "interleaved repeats)."]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="configs/tiny.py")
+    parser.add_argument("--override", action="append", default=[], help="a.b=value, as --config.a.b")
+    parser.add_argument("--repeats", type=int, default=5)
+    _common.add_flags(parser)
+    args = parser.parse_args()
+    overrides = (SMOKE if args.smoke else WIDE) + args.override
+    repeats = 1 if args.smoke else args.repeats
+    config = config_lib.load(args.config)
+    config_lib.apply_overrides(config, overrides)
+    with tempfile.TemporaryDirectory() as workdir:
+        result = measure(config, repeats, Path(workdir) / "checkpoints")
+    _common.report(args, report(result), {"benchmark": "checkpoint", "config": args.config, "overrides": overrides,
+                                          **result})
+
+
+if __name__ == "__main__":
+    main()
