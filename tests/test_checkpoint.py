@@ -63,9 +63,9 @@ def test_resume_is_bit_identical_on_the_same_mesh(saved, tmp_path):
 @pytest.mark.parametrize("layout, devices", [
     (dict(data=1, fsdp=4, tensor=2), 8),
     (dict(data=4, pipeline=2), 8),
-    (dict(data=2, fsdp=2, tensor=2, zero_stage=3), 8),
+    (dict(data=2, sequence=2, tensor=2, zero_stage=3), 8),
     (dict(data=1), 1),
-], ids=["fsdp4_tensor2", "data4_pipeline2", "data2_fsdp2_tensor2_zero3", "one_device"])
+], ids=["fsdp4_tensor2", "data4_pipeline2", "data2_sequence2_tensor2_zero3", "one_device"])
 def test_restores_onto_another_mesh_and_continues(saved, tmp_path, layout, devices):
     config, root, whole = saved
     config = config.copy_and_resolve_references()
