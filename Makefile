@@ -16,8 +16,10 @@ $(STAMP): pyproject.toml
 train: $(STAMP)
 	$(BIN)/python -m jaxscale.train --config=configs/tiny.py --workdir=runs/tiny
 
+# Two workers, one test file each at a time (module fixtures stay shared); compiling is
+# single-threaded, so two workers keep both cores busy. Compiled programs are cached per session.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -91,6 +91,16 @@ def defaults() -> ml_collections.ConfigDict:
         spike_action="skip",   # skip: drop that update | rollback: reload the last checkpoint before the spike
                                # and continue with the batches after it
     )
+    c.distributed = dict(
+        coordinator_address="",     # host:port of process 0; empty = detect (launcher, Kubernetes, SLURM, MPI, TPU)
+        num_processes=0,            # with coordinator_address: processes in the job
+        process_id=-1,              # with coordinator_address: this process's index
+        initialization_timeout_s=300,   # how long processes wait for each other to join
+        heartbeat_timeout_s=100,        # the runtime declares a silent process dead after this and stops the job
+        watchdog_seconds=600.0,     # no step completed for this long: dump every thread's stack, exit 1 (0 = off)
+        straggler_every=100,        # every N steps compare processes' host time per step (0 = off)
+        straggler_threshold=0.2,    # report a process slower than the median by more than this fraction
+    )
     c.metrics = dict(
         tensorboard=True,
         progress=True,         # a console line per logged step (and a bar on a terminal); notes and warnings always print
@@ -204,11 +214,13 @@ def _check_positive(c) -> None:
                   "train.global_batch_size", "train.seq_len", "train.grad_accum_steps",
                   "train.log_every", "train.eval_batches", "optim.lr", "data.num_threads",
                   "pipeline.microbatches", "pipeline.virtual_stages", "checkpoint.max_to_keep",
-                  "checkpoint.preemption_timeout_s", "guard.spike_window"):
+                  "checkpoint.preemption_timeout_s", "guard.spike_window",
+                  "distributed.initialization_timeout_s", "distributed.heartbeat_timeout_s"):
         section, key = field.split(".")
         _require(c[section][key] > 0, field, c[section][key], "must be > 0")
     for field in ("checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.keep_every",
-                  "guard.spike_threshold", "train.eval_every", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
+                  "guard.spike_threshold", "distributed.watchdog_seconds", "distributed.straggler_every",
+                  "distributed.straggler_threshold", "train.eval_every", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
                   "optim.min_lr_ratio", "metrics.peak_tflops", "train.seed"):
         section, key = field.split(".")
         _require(c[section][key] >= 0, field, c[section][key], "must be >= 0")

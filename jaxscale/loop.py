@@ -21,7 +21,10 @@ from jaxscale import resume
 from jaxscale import state as state_lib
 from jaxscale.checkpoint import CHECKPOINTS, Checkpointer
 from jaxscale.data import Data, make_data
+from jaxscale.distributed import job_description
+from jaxscale.errors import ConfigError
 from jaxscale.guard import GuardSpec
+from jaxscale.health import StragglerReport, Watchdog
 from jaxscale.mesh import granule_count
 from jaxscale.models import LanguageModel, model_from_config
 from jaxscale.optim import make_optimizer
@@ -144,6 +147,8 @@ class Session:
     writer: metrics_lib.MetricsWriter
     display: ProgressDisplay
     preemption: PreemptionWatch
+    watchdog: Watchdog
+    stragglers: StragglerReport
     data_step: int = 0   # index of the next training batch (ahead of state.step after a rollback)
     rollbacks: int = 0
     preempted: bool = False
@@ -185,8 +190,14 @@ def run_steps(session: Session, until: int | None = None) -> list[dict]:
     step run; returns the logged records. Stops early, after saving, when preempted."""
     t = session.run.config.train
     last, records = min(t.steps, until or t.steps), []
-    while not session.preempted and _current_step(session.run) < last and _steps(session, last, records) == "rollback":
-        pass
+    session.compiled()
+    session.watchdog.start()
+    try:
+        while (not session.preempted and _current_step(session.run) < last
+               and _steps(session, last, records) == "rollback"):
+            pass
+    finally:
+        session.watchdog.stop()
     return records
 
 
@@ -196,9 +207,14 @@ def _steps(session: Session, last: int, records: list[dict]) -> str:
     compiled, val, start = session.compiled(), session.val_batches(), _current_step(run)
     timer, batches = _Timer(start), run.data.train_batches(session.data_step)
     try:
-        for step, batch in zip(range(start + 1, last + 1), batches):
+        for step in range(start + 1, last + 1):
+            began = time.perf_counter()
+            batch = next(batches)
+            fed = time.perf_counter() - began  # this host's own work: waiting for devices excluded
             run.state, metrics = compiled(run.state, batch)
             session.data_step += 1
+            session.watchdog.beat(step)
+            session.stragglers.add(step, fed, run.state)
             stop = session.preemption.reached(step)
             if stop or step == last or session.checkpointer.due(step):
                 session.save(step)
@@ -207,6 +223,7 @@ def _steps(session: Session, last: int, records: list[dict]) -> str:
             if stop or _is_log_step(step, t):
                 records.append(_log(session, step, metrics, timer, val))
             if stop:
+                session.watchdog.stop()  # the commit wait has its own deadline
                 _finish_preemption(session, step)
                 session.preempted = True
                 return "preempted"
@@ -278,17 +295,38 @@ def open_session(config, workdir: str | Path, show_progress: bool = True, device
     watch, the checkpointer, the run (state restored from where the workdir or the config says),
     the metric writers and the console. Closing it waits for the last checkpoint to commit."""
     workdir, devices = Path(workdir), list(devices or jax.devices())
-    config_lib.validate(config, len(devices), granule_count(devices))  # before touching the workdir
+    _validate(config, devices)  # before touching the workdir
     with (WorkdirLock(workdir), PreemptionWatch(config.checkpoint.preemption_timeout_s) as preemption,
           Checkpointer(workdir / CHECKPOINTS, config.checkpoint) as checkpointer):
         start = resume.choose(config, checkpointer)
         run = setup(config, devices, init=start.kind == "fresh")  # never hold a fresh and a restored state
         with _outputs(run, workdir, show_progress) as (writer, display):
-            display.print(_summary(run, workdir))
-            for note in run.notes:
-                display.print(f"note: {note}")
+            _introduce(run, workdir, display)
             data_step = resume.apply(start, run, display.print)
-            yield Session(run, checkpointer, writer, display, preemption, data_step)
+            d = config.distributed
+            yield Session(run, checkpointer, writer, display, preemption, Watchdog(d.watchdog_seconds),
+                          StragglerReport(d.straggler_every, d.straggler_threshold, display.print), data_step)
+
+
+def _validate(config, devices) -> None:
+    """config.validate, with the job's process and device counts added to its errors."""
+    try:
+        config_lib.validate(config, len(devices), granule_count(devices))
+    except ConfigError as error:
+        if jax.process_count() == 1:
+            raise
+        raise ConfigError(error.field, error.value, f"{error.fix} (this job: {job_description()})") from None
+
+
+def _introduce(run: Run, workdir: Path, display: ProgressDisplay) -> None:
+    """The summary and notes (process 0), and which batch rows each process reads (every process)."""
+    display.print(_summary(run, workdir))
+    for note in run.notes:
+        display.print(f"note: {note}")
+    if jax.process_count() > 1:
+        rows = run.data.rows
+        print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} devices, "
+              f"reads rows {rows.start}:{rows.stop} of each batch", flush=True)
 
 
 @contextlib.contextmanager

@@ -1,11 +1,24 @@
-"""Eight fake CPU devices for every test: set before jax is imported anywhere."""
+"""Eight fake CPU devices for every test: set before jax is imported anywhere.
 
+One persistent compilation cache per test session, shared with every process the tests start
+(they inherit the environment): the CLI and multi-process tests compile the same few programs
+again and again, and on 2 cores compiling is a large share of the suite's time.
+"""
+
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxscale-test-xla-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

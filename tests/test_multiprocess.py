@@ -1,10 +1,11 @@
-"""Two processes x four CPU devices: each reads its own rows, the run equals one process, its
-checkpoint restores in one process, and SIGTERM to one process stops both at the same step."""
+"""Two processes x four CPU devices, joined by jax.distributed as on two hosts: through
+`python -m jaxscale.launch`, or started one by one as a scheduler would. Each reads only its
+rows; the job equals one process; checkpoints move between 1 and 2 processes; a signal, a death
+or a hang of one process ends the job in bounded time."""
 
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,31 +13,50 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, cli_env
+from jaxscale import cli
 from jaxscale import config as config_lib
+from jaxscale.launch import _free_port, child_env
 from jaxscale.loop import train
 
 OVERRIDES = ["model.num_layers=2", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=2",
              "model.d_ff=128", "model.dtype='float32'", "train.steps=6", "train.global_batch_size=16",
              "train.seq_len=32", "train.log_every=1", "train.eval_every=3", "train.eval_batches=2",
              "metrics.tensorboard=False", "metrics.progress=False", "checkpoint.every_steps=3"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawn(workdir, port, overrides):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    return [subprocess.Popen([sys.executable, str(ROOT / "tests" / "mp_worker.py"), str(port), str(i),
-                              str(workdir), json.dumps(overrides)],
-                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for i in range(2)]
-
-
 HYBRID = ["mesh_dcn.data=2", "mesh.data=1", "mesh.fsdp=4", "zero_stage=1"]  # data crosses hosts, fsdp stays inside
+
+
+def _train_cmd(workdir, overrides):
+    return [sys.executable, "-m", "jaxscale.train", "--config=configs/tiny.py", f"--workdir={workdir}",
+            *(f"--config.{o}" for o in overrides)]
+
+
+def _launch(workdir, overrides, timeout=300, nproc=2):
+    cmd = [sys.executable, "-m", "jaxscale.launch", f"--nproc={nproc}", "--devices_per_proc=4", "--",
+           *_train_cmd(workdir, overrides)]
+    return subprocess.run(cmd, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _spawn(workdir, overrides):
+    """Two processes started one by one, as a scheduler would, each with its own log file."""
+    port = _free_port()
+    return [subprocess.Popen(_train_cmd(workdir, overrides), cwd=ROOT, env=child_env(i, 2, port, 4, cli_env()),
+                             stdout=open(f"{workdir}.{i}.log", "w"), stderr=subprocess.STDOUT) for i in range(2)]
+
+
+def _records(workdir):
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _single(overrides):
+    """The launched processes' config (configs/tiny.py with the overrides), for a run in this process."""
+    return cli.load_config(str(ROOT / "configs" / "tiny.py"), OVERRIDES + overrides)
+
+
+def _close(a, b):
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x["loss"], y["loss"], rtol=1e-5)
 
 
 @pytest.mark.parametrize("layout, single", [
@@ -44,41 +64,94 @@ HYBRID = ["mesh_dcn.data=2", "mesh.data=1", "mesh.fsdp=4", "zero_stage=1"]  # da
     (HYBRID, ["mesh.data=2", "mesh.fsdp=4", "zero_stage=1"]),
 ], ids=["data", "hybrid_dcn"])
 def test_two_processes_match_one(tmp_path, layout, single):
-    procs = _spawn(tmp_path / "mp", _free_port(), OVERRIDES + layout)
-    outputs = [p.communicate(timeout=240)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    assert "process 0 reads rows 0:8" in outputs[0] and "process 1 reads rows 8:16" in outputs[1]
-    multi = [json.loads(line) for line in (tmp_path / "mp" / "metrics.jsonl").read_text().splitlines()]
-
-    config = config_lib.defaults()
-    config_lib.apply_overrides(config, OVERRIDES + single)
-    reference = train(config, tmp_path / "single", show_progress=False)
-    assert [r["step"] for r in multi] == [r["step"] for r in reference] == [1, 2, 3, 4, 5, 6]
-    for a, b in zip(multi, reference):
-        np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
+    done = _launch(tmp_path / "mp", OVERRIDES + layout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "[0] process 0 of 2: 4 devices, reads rows 0:8" in done.stdout
+    assert "[1] process 1 of 2: 4 devices, reads rows 8:16" in done.stdout
+    multi = _records(tmp_path / "mp")
+    reference = train(_single(single), tmp_path / "single", show_progress=False)
+    assert [r["step"] for r in multi] == [1, 2, 3, 4, 5, 6]
+    _close(multi, reference)
     np.testing.assert_allclose(multi[-1]["val_loss"], reference[-1]["val_loss"], rtol=1e-5)
-    # The 2-process checkpoint of step 3 continues in 1 process like the 2-process run did.
-    config.checkpoint.resume_from = str(tmp_path / "mp" / "checkpoints" / "3")
-    resumed = train(config, tmp_path / "from_mp", show_progress=False)
-    assert [r["step"] for r in resumed] == [4, 5, 6]
-    for a, b in zip(multi[3:], resumed):
-        np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-5)
+    if layout:
+        return
+    # Checkpoints of step 3 continue like the run that wrote them: from 2 processes in 1, and back.
+    config = _single(["checkpoint.resume_from=" + str(tmp_path / "mp" / "checkpoints" / "3")])
+    _close(train(config, tmp_path / "mp_to_one", show_progress=False), multi[3:])
+    back = _launch(tmp_path / "one_to_mp", OVERRIDES + [f"checkpoint.resume_from={tmp_path / 'single' / 'checkpoints' / '3'}"])
+    assert back.returncode == 0, back.stdout[-3000:]
+    _close(_records(tmp_path / "one_to_mp"), reference[3:])
+
+
+def test_sigterm_to_the_launcher_saves_and_exits_0(tmp_path):
+    cmd = [sys.executable, "-m", "jaxscale.launch", "--nproc=2", "--devices_per_proc=4", "--",
+           *_train_cmd(tmp_path, OVERRIDES + ["train.steps=500", "checkpoint.every_steps=0"])]
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    while not ((tmp_path / "metrics.jsonl").exists() and len(_records(tmp_path)) >= 2):
+        assert launcher.poll() is None, launcher.stdout.read()[-3000:]
+        time.sleep(0.01)
+    launcher.send_signal(signal.SIGTERM)
+    out = launcher.communicate(timeout=120)[0]
+    assert launcher.returncode == 0, out[-3000:]
+    steps = [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
+    assert len(steps) == 1 and 2 <= steps[0] < 500
+    assert f"[0] SIGTERM: stopping after step {steps[0]}" in out and f"checkpoint of step {steps[0]} committed" in out
+    shards = {p.name for p in (tmp_path / "checkpoints" / str(steps[0]) / "state").iterdir()}
+    assert {"ocdbt.process_0", "ocdbt.process_1"} <= shards  # both processes wrote their part of that step
 
 
 def test_sigterm_to_one_process_stops_both_at_the_same_step(tmp_path):
-    procs = _spawn(tmp_path, _free_port(), OVERRIDES + ["train.steps=500", "checkpoint.every_steps=0"])
-    metrics = tmp_path / "metrics.jsonl"
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        assert all(p.poll() is None for p in procs), [p.stdout.read()[-2000:] for p in procs]
+    procs = _spawn(tmp_path, OVERRIDES + ["train.steps=500", "checkpoint.every_steps=0"])
+    while not ((tmp_path / "metrics.jsonl").exists() and len(_records(tmp_path)) >= 2):
+        assert all(p.poll() is None for p in procs)
         time.sleep(0.01)
     procs[1].send_signal(signal.SIGTERM)  # as a scheduler preempting one host would
-    outputs = [p.communicate(timeout=120)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
     steps = [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
-    assert len(steps) == 1 and 2 <= steps[0] < 500, outputs
-    assert f"stopping after step {steps[0]}" in outputs[0] and "SIGTERM" in outputs[0]
-    shards = {p.name for p in (tmp_path / "checkpoints" / str(steps[0]) / "state").iterdir()}
-    assert {"ocdbt.process_0", "ocdbt.process_1"} <= shards  # both processes wrote their part of that step
+    assert len(steps) == 1 and 2 <= steps[0] < 500
+    assert f"stopping after step {steps[0]}" in (tmp_path.parent / f"{tmp_path.name}.0.log").read_text()
+
+
+def _started(workdir, procs):
+    while not ((workdir / "metrics.jsonl").exists() and len(_records(workdir)) >= 2):
+        assert all(p.poll() is None for p in procs), [p.returncode for p in procs]
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("fault, settings, timeout", [
+    (signal.SIGKILL, ["distributed.heartbeat_timeout_s=10", "distributed.watchdog_seconds=10"], 10),
+    (signal.SIGSTOP, ["distributed.heartbeat_timeout_s=100", "distributed.watchdog_seconds=5"], 5),
+], ids=["killed", "hung"])
+def test_a_dead_or_hung_process_ends_the_other_in_bounded_time(tmp_path, fault, settings, timeout):
+    procs = _spawn(tmp_path, OVERRIDES + ["train.steps=100000", "checkpoint.every_steps=0"] + settings)
+    try:
+        _started(tmp_path, procs)
+        began = time.monotonic()
+        procs[1].send_signal(fault)
+        code = procs[0].wait(timeout=4 * timeout + 60)
+        took = time.monotonic() - began
+    finally:
+        for p in procs:
+            p.kill()
+    log = (tmp_path.parent / f"{tmp_path.name}.0.log").read_text()
+    assert code != 0 and took < 2 * timeout, (code, took, log[-2000:])
+    if fault == signal.SIGSTOP:  # the watchdog, not the heartbeat, ended it: with every thread's stack
+        assert "no step completed for" in log and "(most recent call first)" in log, log[-2000:]
+
+
+def test_the_launcher_stops_the_others_when_one_fails(tmp_path):
+    cmd = [sys.executable, "-m", "jaxscale.launch", "--nproc=2", "--devices_per_proc=4", "--grace_s=2", "--",
+           *_train_cmd(tmp_path, OVERRIDES + ["train.steps=100000", "distributed.heartbeat_timeout_s=100"])]
+    launcher = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    _started(tmp_path, [launcher])
+    children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout.split()
+    assert len(children) == 2
+    began = time.monotonic()
+    subprocess.run(["kill", "-9", max(children, key=int)])
+    out = launcher.communicate(timeout=60)[0]
+    assert launcher.returncode == 137 and time.monotonic() - began < 20, out[-2000:]
+    assert "exited with -9; stopping the others" in out
+    assert not subprocess.run(["pgrep", "-f", f"workdir={tmp_path}"], capture_output=True).stdout
 
 
 def test_dcn_multipliers_must_match_the_hosts():
@@ -87,3 +160,24 @@ def test_dcn_multipliers_must_match_the_hosts():
     with pytest.raises(config_lib.ConfigError, match="1 hosts"):
         config_lib.validate(config, 8, granules=1)
     config_lib.validate(config, 8, granules=2)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPU cores to slow one process down")
+def test_a_process_on_a_contended_core_is_reported_as_a_straggler(tmp_path):
+    """Each process on its own core; once training runs, two busy loops share process 1's core."""
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    procs = _spawn(tmp_path, OVERRIDES + ["train.steps=60", "train.log_every=1", "train.eval_every=0",
+                                          "checkpoint.every_steps=0", "distributed.straggler_every=10"])
+    for proc, core in zip(procs, cores):
+        os.sched_setaffinity(proc.pid, {core})
+    busy = f"import os; os.sched_setaffinity(0, {{{cores[1]}}})\nwhile True: pass"
+    hogs = []
+    try:
+        _started(tmp_path, procs)
+        hogs = [subprocess.Popen([sys.executable, "-c", busy]) for _ in range(2)]
+        assert [p.wait(timeout=300) for p in procs] == [0, 0]
+    finally:
+        for p in procs + hogs:
+            p.kill()
+    log = (tmp_path.parent / f"{tmp_path.name}.0.log").read_text()
+    assert "straggler: process 1's local device probe" in log, log[-2000:]

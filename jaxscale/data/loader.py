@@ -43,7 +43,7 @@ class Data:
         self.num_train_tokens, self.num_val_tokens = num_train_tokens, num_val_tokens
         self.global_shape = (settings.global_batch, settings.seq_len)
         self._threads = settings.num_threads
-        rows = process_rows(sharding, self.global_shape)
+        self.rows = rows = process_rows(sharding, self.global_shape)  # this process's rows of every batch
         order = grain.MapDataset.source(train).shuffle(seed=shuffle_seed(settings.seed)).repeat()
         self._train = StepBatches(order, settings.global_batch, rows)
         self._val = StepBatches(grain.MapDataset.source(val).repeat(), settings.global_batch, rows)

@@ -1,0 +1,139 @@
+"""A run's health: a step watchdog that ends a stuck process, and a straggler report.
+
+Watchdog: when no step completes for `distributed.watchdog_seconds` (a peer died or hung in a
+collective, a filesystem stalled), every thread's Python stack is written to stderr and the
+process exits 1, so a job fails instead of hanging until its time limit. A dead peer is also
+caught by the distributed runtime's heartbeat (`distributed.heartbeat_timeout_s`).
+
+Stragglers: in a synchronous job every process waits for the slowest inside the collectives, so
+raw step times are the same everywhere and cannot name it. Every `distributed.straggler_every`
+steps the processes exchange instead (1) their host time per step spent getting the batch onto
+their devices, and (2) the time of a short local probe (a fixed matmul on each local device, no
+collectives, once the queued steps have finished); process 0 names any process whose host time
+or probe is slower than the median by more than `distributed.straggler_threshold`.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import functools
+import os
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class Watchdog:
+    """Call beat() after every step; stop() before waits that have their own bounds."""
+
+    def __init__(self, seconds: float, poll: float = 1.0):
+        self.seconds, self._poll = seconds, min(poll, seconds / 4 or poll)
+        self._last, self._step = time.monotonic(), 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "Watchdog":
+        if self.seconds > 0 and self._thread is None:
+            self._last, self._stop = time.monotonic(), threading.Event()
+            self._thread = threading.Thread(target=self._watch, name="jaxscale-watchdog", daemon=True)
+            self._thread.start()
+        return self
+
+    def beat(self, step: int) -> None:
+        self._last, self._step = time.monotonic(), step
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self._poll):
+            idle = time.monotonic() - self._last
+            if idle > self.seconds:
+                self._expire(idle)
+
+    def _expire(self, idle: float) -> None:
+        print(f"jaxscale: error: process {jax.process_index()}: no step completed for {idle:.0f}s after step "
+              f"{self._step} (distributed.watchdog_seconds={self.seconds:g}); every thread's stack follows",
+              file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stderr.flush()
+        os._exit(1)
+
+
+MIN_HOST_GAP_MS = 5.0  # host time slower by less than this is noise, not worth a report
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _probe_kernel(x, iterations: int):
+    return jax.lax.fori_loop(0, iterations, lambda _, y: jnp.tanh(y @ x), x).sum()
+
+
+def _probe_shape() -> tuple[int, int]:
+    """(matrix size, iterations): a few milliseconds on a CPU core or on an accelerator."""
+    return (512, 1) if jax.default_backend() == "cpu" else (4096, 10)
+
+
+def probe_seconds(repeats: int = 3) -> float:
+    """Median time of a fixed chain of matmuls run on every local device at once (no communication)."""
+    size, iterations = _probe_shape()
+    inputs = [jax.device_put(jnp.full((size, size), 1.0 / size, jnp.float32), d) for d in jax.local_devices()]
+    jax.block_until_ready([_probe_kernel(x, iterations) for x in inputs])  # compiled and warm
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        jax.block_until_ready([_probe_kernel(x, iterations) for x in inputs])
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def stragglers(times: list[float], threshold: float, min_gap: float = 0.0) -> list[tuple[int, float]]:
+    """(process, its time / the others' median) for each process slower than the median of the
+    others by more than `threshold` (a fraction) and by at least `min_gap`."""
+    found = []
+    for i, t in enumerate(times):
+        others = statistics.median(times[:i] + times[i + 1:]) if len(times) > 1 else t
+        if others > 0 and t > others * (1 + threshold) and t - others >= min_gap:
+            found.append((i, t / others))
+    return found
+
+
+class StragglerReport:
+    """Accumulates this process's host time per step; every `every` steps all processes share it
+    and their probe times."""
+
+    def __init__(self, every: int, threshold: float, say: Callable[[str], None]):
+        self.every, self.threshold, self._say = every, threshold, say
+        self._busy, self._count = 0.0, 0
+        self.last: dict[str, list[float]] | None = None  # the last exchange: per-process ms, by measure
+
+    def add(self, step: int, host_seconds: float, state=None) -> None:
+        """Record a step; every `every` steps a collective, so every process must call it each step.
+        `state` (the step's output) is waited for before probing, so queued steps do not count."""
+        if self.every <= 0 or jax.process_count() == 1:
+            return
+        self._busy, self._count = self._busy + host_seconds, self._count + 1
+        if step % self.every == 0:
+            jax.block_until_ready(state)
+            self._exchange(step, [self._busy / self._count, probe_seconds()])
+
+    def _exchange(self, step: int, mine: list[float]) -> None:
+        from jax.experimental import multihost_utils
+
+        gathered = np.asarray(multihost_utils.process_allgather(np.asarray(mine, np.float32))) * 1e3
+        self.last = {"host_ms_per_step": gathered[:, 0].tolist(), "probe_ms": gathered[:, 1].tolist()}
+        self._busy, self._count = 0.0, 0
+        for measure, label, gap in (("host_ms_per_step", "host time per step (batch onto the devices)",
+                                     MIN_HOST_GAP_MS), ("probe_ms", "local device probe", 0.0)):
+            times = self.last[measure]
+            for process, ratio in stragglers(times, self.threshold, gap):
+                self._say(f"straggler: process {process}'s {label} is {times[process]:.1f} ms, "
+                          f"{100 * (ratio - 1):.0f}% above the other processes' median (steps to {step})")
