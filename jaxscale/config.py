@@ -101,6 +101,13 @@ def defaults() -> ml_collections.ConfigDict:
         straggler_every=100,        # every N steps compare processes' host time per step (0 = off)
         straggler_threshold=0.2,    # report a process slower than the median by more than this fraction
     )
+    c.profile = dict(
+        start_step=0,          # trace steps start_step .. start_step+steps-1 into WORKDIR/profile
+        steps=0,               # 0 = no trace
+    )
+    c.xla = dict(
+        gpu_defaults=True,     # set jaxscale's XLA flags on NVIDIA GPUs (jaxscale/xla_flags.py); yours win
+    )
     c.metrics = dict(
         tensorboard=True,
         progress=True,         # a console line per logged step (and a bar on a terminal); notes and warnings always print
@@ -220,7 +227,7 @@ def _check_positive(c) -> None:
         _require(c[section][key] > 0, field, c[section][key], "must be > 0")
     for field in ("checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.keep_every",
                   "guard.spike_threshold", "distributed.watchdog_seconds", "distributed.straggler_every",
-                  "distributed.straggler_threshold", "train.eval_every", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
+                  "distributed.straggler_threshold", "profile.start_step", "profile.steps", "train.eval_every", "optim.warmup_steps", "optim.weight_decay", "optim.clip_norm",
                   "optim.min_lr_ratio", "metrics.peak_tflops", "train.seed"):
         section, key = field.split(".")
         _require(c[section][key] >= 0, field, c[section][key], "must be >= 0")

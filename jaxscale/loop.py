@@ -19,6 +19,7 @@ from jaxscale import config as config_lib
 from jaxscale import metrics as metrics_lib
 from jaxscale import resume
 from jaxscale import state as state_lib
+from jaxscale import xla_flags
 from jaxscale.checkpoint import CHECKPOINTS, Checkpointer
 from jaxscale.data import Data, make_data
 from jaxscale.distributed import job_description
@@ -32,6 +33,7 @@ from jaxscale.preemption import PreemptionWatch
 from jaxscale.progress import ProgressDisplay
 from jaxscale.sharding import Layout, layout_from_config
 from jaxscale.step import compute_dtype, jit_eval_step, jit_train_step
+from jaxscale.tracing import TraceWindow
 from jaxscale.workdir import WorkdirLock
 
 VERSIONS = {"jaxscale": version("jaxscale"), "jax": jax.__version__, "orbax": version("orbax-checkpoint")}
@@ -113,27 +115,31 @@ def compile_step(run: Run):
     return compiled, time.perf_counter() - start
 
 
-class _Timer:
-    """Wall time and tokens between log steps; each log step blocks on its metrics."""
+class _Clock:
+    """Wall time per step between log steps, split into waiting for the batch, blocking on
+    checkpoint saves, and the rest (the device step); each log step blocks on its metrics."""
 
     def __init__(self, step: int):
         self.step, self.time = step, time.perf_counter()
+        self.data = self.save = 0.0
 
-    def lap(self, step: int) -> float:
+    def lap(self, step: int) -> dict:
         now = time.perf_counter()
-        per_step = (now - self.time) / max(step - self.step, 1)
-        self.step, self.time = step, now
-        return per_step
+        n = max(step - self.step, 1)
+        per_step, data, save = (now - self.time) / n, self.data / n, self.save / n
+        self.step, self.time, self.data, self.save = step, now, 0.0, 0.0
+        return {"step_time_s": per_step, "data_wait_s": data, "checkpoint_block_s": save,
+                "device_step_s": max(per_step - data - save, 0.0)}
 
     def restart(self) -> None:
         self.time = time.perf_counter()
 
 
-def _record(run: Run, step: int, metrics: dict, step_time: float, batches_seen: int) -> dict:
-    tokens_per_sec = float(metrics["tokens"]) / step_time
+def _record(run: Run, step: int, metrics: dict, timing: dict, batches_seen: int) -> dict:
+    tokens_per_sec = float(metrics["tokens"]) / timing["step_time_s"]
     return {"step": step, "loss": float(metrics["loss"]), "grad_norm": float(metrics["grad_norm"]),
             "lr": float(metrics["lr"]), "tokens": batches_seen * int(metrics["tokens"]),
-            "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
+            "tokens_per_sec": tokens_per_sec, **timing,
             "mfu": metrics_lib.mfu(tokens_per_sec, run.flops_per_token, run.layout.mesh.size, run.peak_tflops),
             "nonfinite_skips": int(metrics["nonfinite_skips"]), "spike_skips": int(metrics["spike_skips"])}
 
@@ -149,18 +155,28 @@ class Session:
     preemption: PreemptionWatch
     watchdog: Watchdog
     stragglers: StragglerReport
+    trace: TraceWindow
     data_step: int = 0   # index of the next training batch (ahead of state.step after a rollback)
     rollbacks: int = 0
     preempted: bool = False
+    opened: float = dataclasses.field(default_factory=time.perf_counter)  # when open_session began
+    productive_s: float = 0.0   # device step time of every step so far: goodput's numerator
+    compile_s: float = 0.0
     _compiled: object = dataclasses.field(default=None, repr=False)
     _val: list | None = dataclasses.field(default=None, repr=False)
 
     def compiled(self):
         """The train step compiled ahead of time (once per session), so step times never include it."""
         if self._compiled is None:
-            self._compiled, seconds = compile_step(self.run)
-            self.display.print(f"compiled the train step in {seconds:.1f}s")
+            self._compiled, self.compile_s = compile_step(self.run)
+            self.display.print(f"compiled the train step in {self.compile_s:.1f}s")
         return self._compiled
+
+    def goodput(self, timing: dict, steps: int) -> float:
+        """Device step time over wall time since the session opened (setup, restore, compile,
+        evaluation, data waits and checkpoint blocking are the rest)."""
+        self.productive_s += timing["device_step_s"] * steps
+        return self.productive_s / (time.perf_counter() - self.opened)
 
     def val_batches(self) -> list:
         t = self.run.config.train
@@ -205,23 +221,28 @@ def _steps(session: Session, last: int, records: list[dict]) -> str:
     """Steps until `last`; returns done | preempted | rollback."""
     run, t = session.run, session.run.config.train
     compiled, val, start = session.compiled(), session.val_batches(), _current_step(run)
-    timer, batches = _Timer(start), run.data.train_batches(session.data_step)
+    clock, batches = _Clock(start), run.data.train_batches(session.data_step)
     try:
         for step in range(start + 1, last + 1):
+            session.trace.before(step)
             began = time.perf_counter()
             batch = next(batches)
             fed = time.perf_counter() - began  # this host's own work: waiting for devices excluded
+            clock.data += fed
             run.state, metrics = compiled(run.state, batch)
             session.data_step += 1
             session.watchdog.beat(step)
             session.stragglers.add(step, fed, run.state)
+            session.trace.after(step, run.state)
             stop = session.preemption.reached(step)
             if stop or step == last or session.checkpointer.due(step):
+                began = time.perf_counter()
                 session.save(step)
+                clock.save += time.perf_counter() - began
             if run.guard.spike_action == "rollback" and bool(metrics["spike"]) and _rollback(session, step):
                 return "rollback"
             if stop or _is_log_step(step, t):
-                records.append(_log(session, step, metrics, timer, val))
+                records.append(_log(session, step, metrics, clock, val))
             if stop:
                 session.watchdog.stop()  # the commit wait has its own deadline
                 _finish_preemption(session, step)
@@ -230,14 +251,18 @@ def _steps(session: Session, last: int, records: list[dict]) -> str:
         return "done"
     finally:
         batches.close()
+        session.trace.stop(run.state)
 
 
-def _log(session: Session, step: int, metrics: dict, timer: _Timer, val) -> dict:
+def _log(session: Session, step: int, metrics: dict, clock: _Clock, val) -> dict:
     run = session.run
-    record = _record(run, step, jax.device_get(metrics), timer.lap(step), session.data_step)
+    steps = step - clock.step
+    timing = clock.lap(step)
+    record = _record(run, step, jax.device_get(metrics), timing, session.data_step)
+    record.update(goodput=session.goodput(timing, steps), compile_s=session.compile_s)
     if _is_eval_step(step, run.config.train):
         record["val_loss"] = evaluate(run, val)
-        timer.restart()  # evaluation time is not step time
+        clock.restart()  # evaluation time is not step time
     session.checkpointer.check()  # a background save that failed stops the run here
     session.writer.write(record)
     session.display.update(record)
@@ -294,7 +319,7 @@ def open_session(config, workdir: str | Path, show_progress: bool = True, device
     """Everything a run on `workdir` holds while it trains: the workdir lock, the preemption
     watch, the checkpointer, the run (state restored from where the workdir or the config says),
     the metric writers and the console. Closing it waits for the last checkpoint to commit."""
-    workdir, devices = Path(workdir), list(devices or jax.devices())
+    workdir, devices, opened = Path(workdir), list(devices or jax.devices()), time.perf_counter()
     _validate(config, devices)  # before touching the workdir
     with (WorkdirLock(workdir), PreemptionWatch(config.checkpoint.preemption_timeout_s) as preemption,
           Checkpointer(workdir / CHECKPOINTS, config.checkpoint) as checkpointer):
@@ -303,9 +328,11 @@ def open_session(config, workdir: str | Path, show_progress: bool = True, device
         with _outputs(run, workdir, show_progress) as (writer, display):
             _introduce(run, workdir, display)
             data_step = resume.apply(start, run, display.print)
-            d = config.distributed
+            d, prof = config.distributed, config.profile
             yield Session(run, checkpointer, writer, display, preemption, Watchdog(d.watchdog_seconds),
-                          StragglerReport(d.straggler_every, d.straggler_threshold, display.print), data_step)
+                          StragglerReport(d.straggler_every, d.straggler_threshold, display.print),
+                          TraceWindow(prof.start_step, prof.steps, workdir / "profile", display.print), data_step,
+                          opened=opened)
 
 
 def _validate(config, devices) -> None:
@@ -323,6 +350,8 @@ def _introduce(run: Run, workdir: Path, display: ProgressDisplay) -> None:
     display.print(_summary(run, workdir))
     for note in run.notes:
         display.print(f"note: {note}")
+    if xla_flags.applied:
+        display.print(f"note: XLA flags for GPUs set (any you put in XLA_FLAGS win): {', '.join(xla_flags.applied)}")
     if jax.process_count() > 1:
         rows = run.data.rows
         print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} devices, "

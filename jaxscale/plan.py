@@ -55,12 +55,24 @@ def expected_bytes(layer_params: int, other_params: int, layout: Layout) -> dict
     return {"params": per_device(4, 3), "grads": per_device(4, 2), "opt_state": per_device(8, 1)}
 
 
+def _planned_model(config, platform: str):
+    """(model, notes) for planning `platform`'s run on this host. A kernel this host cannot compile
+    (cuDNN attention on a CPU host) is planned with XLA's, and a note says so."""
+    model, notes = model_from_config(config, platform)
+    here = jax.default_backend()
+    if model.spec.attention_impl == "cudnn" and here != "gpu":
+        model, _ = model_from_config(config, here)
+        notes = [f"attention: planned with the xla kernel ({here} cannot compile cuDNN's); on the GPU cuDNN flash "
+                 "attention runs instead and needs less temporary memory (no L x L score matrix)"]
+    return model, notes
+
+
 def compile_plan(config, platform: str, devices=None):
-    """(compiled step, layout, abstract state, grad shardings, compile seconds) with no allocation."""
+    """(compiled step, layout, abstract state, grad shardings, compile seconds, notes) with no allocation."""
     devices = list(devices or jax.devices())
     config_lib.validate(config, len(devices), granule_count(devices))
     layout, _ = layout_from_config(config, devices)
-    model, _ = model_from_config(config, platform)
+    model, notes = _planned_model(config, platform)
     tx, schedule = make_optimizer(config.optim, config.train.steps)
     guard = GuardSpec.from_config(config.guard)
     state, shardings = state_lib.abstract(model, tx, layout, guard)
@@ -72,7 +84,7 @@ def compile_plan(config, platform: str, devices=None):
     start = time.perf_counter()
     compiled = step.lower(state, {"inputs": tokens, "targets": tokens}).compile()
     grad_tree = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), state.params, grads)
-    return compiled, layout, state, grad_tree, time.perf_counter() - start
+    return compiled, layout, state, grad_tree, time.perf_counter() - start, notes
 
 
 def _pipeline_summary(stages: int, pipe) -> dict:
@@ -86,7 +98,7 @@ def _pipeline_summary(stages: int, pipe) -> dict:
 def make_plan(config, platform: str | None = None, devices=None) -> dict:
     """The plan as a JSON-ready dict (see the module docstring), over `devices` (default: all)."""
     platform = platform or jax.default_backend()
-    compiled, layout, state, grads, compile_s = compile_plan(config, platform, devices)
+    compiled, layout, state, grads, compile_s, notes = compile_plan(config, platform, devices)
     memory = compiled.memory_analysis()
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
     n_layers = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params["layers"]))
@@ -101,7 +113,7 @@ def make_plan(config, platform: str | None = None, devices=None) -> dict:
             "num_params": n_params, "compile_s": round(compile_s, 2), "per_device_bytes": per_device,
             "argument_bytes": memory.argument_size_in_bytes,
             "expected_bytes": expected_bytes(n_layers, n_params - n_layers, layout),
-            "collectives": profile.collective_stats(compiled.as_text())}
+            "collectives": profile.collective_stats(compiled.as_text()), "notes": notes}
 
 
 def advice(plan: dict, config, limit_bytes: float) -> list[str]:
@@ -142,6 +154,7 @@ def table(plan: dict) -> str:
         rows.append(f"pipeline: {pipe['schedule']}, {pipe['stages']} stages x {pipe['virtual_stages']} virtual x "
                     f"{pipe['microbatches']} microbatches, bubble {100 * pipe['bubble_fraction']:.1f}% = (P-1)/(V*M+P-1)")
     rows.append("collectives per step:\n" + profile.summarize(plan["collectives"]))
+    rows += [f"note: {note}" for note in plan.get("notes", [])]
     return "\n".join(rows)
 
 

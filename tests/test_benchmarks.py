@@ -65,7 +65,16 @@ def _check_checkpoint(out):
     assert out["blocking_ratio"] == pytest.approx(out["async_blocking_s"] / out["sync_save_s"])
 
 
+def _check_gpu(out):
+    assert [(r["remat"], r["flag_set"]) for r in out["rows"]] == [("none", "jaxscale"), ("full", "jaxscale")]
+    for r in out["rows"]:
+        assert "error" not in r, r
+        assert r["step_s"] > 0 and r["tokens_per_sec"] == pytest.approx(r["batch"] * r["seq_len"] / r["step_s"])
+        assert r["mfu"] is None and r["device"] == "cpu"  # no known peak on CPU
+
+
 BENCHMARKS = {  # file -> (extra arguments, check of its JSON)
+    "gpu.py": ([], _check_gpu),
     "checkpoint.py": ([], _check_checkpoint),
     "collectives.py": (["--mesh=data=2,tensor=4"], _check_collectives),
     "memory.py": ([], _check_memory),

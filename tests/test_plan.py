@@ -105,3 +105,9 @@ def test_pipeline_bubble_is_reported():
     circular = _plan("mesh.pipeline=2", "mesh.data=4", "model.num_layers=4", "pipeline.microbatches=4",
                      "train.global_batch_size=16", "pipeline.schedule=circular", "pipeline.virtual_stages=2")
     assert circular["pipeline"]["bubble_fraction"] == pytest.approx(1 / 9)  # (P-1)/(V*M+P-1)
+
+
+def test_planning_a_gpu_run_on_a_cpu_host():
+    plan = make_plan(_config("mesh.data=8"), "gpu")
+    assert plan["platform"] == "gpu" and plan["compute_dtype"] == "bfloat16"
+    assert plan["notes"] and plan["notes"][0].startswith("attention: planned with the xla kernel")

@@ -1,0 +1,128 @@
+"""Tokens/s and MFU of the GPU configs, swept over batch size, remat policy and XLA flag sets.
+
+    python benchmarks/gpu.py [--configs=configs/gpt2_124m.py,configs/llama_1b.py] [--batch_sizes=8,16,32]
+        [--remat=none,dots_saveable,full] [--flag_sets=jaxscale,none] [--seq_len=2048] [--steps=10]
+        [--override=a.b=v ...] [--json] [--append] [--smoke]
+
+Every combination runs in a fresh process (XLA reads its flags once, when the backend starts):
+bfloat16 compute, the attention kernel `auto` picks (cuDNN flash attention on NVIDIA GPUs),
+synthetic tokens, the compiled train step timed over `--steps` steps after two warm-up steps
+(median), MFU by the PaLM convention against the device's dense bf16 peak (jaxscale/metrics.py).
+`--flag_sets`: `jaxscale` = jaxscale's GPU defaults (jaxscale/xla_flags.py), `none` = XLA's own
+defaults. A combination that does not fit in memory is reported as such, not fatal.
+`--smoke` runs configs/tiny.py on CPU, two combinations, to keep the script working.
+"""
+
+from __future__ import annotations
+
+import _common  # noqa: I001  (first: puts this checkout's jaxscale on sys.path)
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+SMOKE = {"configs": "configs/tiny.py", "batch_sizes": "8", "remat": "none,full", "flag_sets": "jaxscale",
+         "seq_len": 64, "steps": 2}
+
+
+def _worker(args) -> dict:
+    """One combination, in this process: compile the step and time it."""
+    import jax
+
+    from jaxscale import config as config_lib
+    from jaxscale import loop, metrics
+
+    config = config_lib.load(args.config)
+    config_lib.apply_overrides(config, [
+        f"train.global_batch_size={args.batch}", f"train.seq_len={args.seq_len}", f"model.remat={args.remat}",
+        "model.dtype=bfloat16", "data.source=synthetic", "train.eval_every=0", *args.override])
+    config.model.max_seq_len = max(config.model.max_seq_len, args.seq_len)
+    run = loop.setup(config)
+    compiled, compile_s = loop.compile_step(run)
+    batches = run.data.train_batches(0)
+    times = []
+    for i in range(args.steps + 2):
+        began = time.perf_counter()
+        run.state, out = compiled(run.state, next(batches))
+        jax.block_until_ready(out["loss"])
+        if i >= 2:
+            times.append(time.perf_counter() - began)
+    step_s = statistics.median(times)
+    tokens_per_sec = args.batch * args.seq_len / step_s
+    memory = compiled.memory_analysis()
+    return {"step_s": step_s, "tokens_per_sec": tokens_per_sec, "compile_s": compile_s,
+            "mfu": metrics.mfu(tokens_per_sec, run.flops_per_token, run.layout.mesh.size, run.peak_tflops),
+            "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
+            "attention": run.model.spec.attention_impl,
+            "temp_bytes": getattr(memory, "temp_size_in_bytes", None), "loss": float(out["loss"])}
+
+
+def _combination_env(flag_set: str) -> dict:
+    """The worker's environment: the flag set is chosen here, before its JAX starts."""
+    from jaxscale import xla_flags
+
+    env = dict(os.environ)
+    if flag_set == "jaxscale":
+        env["XLA_FLAGS"] = xla_flags.with_defaults(env.get("XLA_FLAGS", ""))
+    return env
+
+
+def _run_one(config: str, batch: int, remat: str, flag_set: str, args) -> dict:
+    row = {"config": config, "batch": batch, "remat": remat, "flag_set": flag_set, "seq_len": args.seq_len}
+    cmd = [sys.executable, __file__, "--worker", f"--config={config}", f"--batch={batch}", f"--remat={remat}",
+           f"--seq_len={args.seq_len}", f"--steps={args.steps}", *(f"--override={o}" for o in args.override)]
+    done = subprocess.run(cmd, env=_combination_env(flag_set), capture_output=True, text=True, timeout=3600)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode == 0 and lines:
+        return {**row, **json.loads(lines[-1])}
+    memory = any(word in done.stderr for word in ("RESOURCE_EXHAUSTED", "Out of memory", "OOM"))
+    return {**row, "error": "out of memory" if memory else (done.stderr.strip().splitlines() or ["failed"])[-1][:200]}
+
+
+def report(rows: list[dict]) -> str:
+    def cell(r):
+        if "error" in r:
+            return f"| {r['config']} | {r['batch']} | {r['remat']} | {r['flag_set']} | {r['error']} | | |"
+        mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        return (f"| {r['config']} | {r['batch']} | {r['remat']} | {r['flag_set']} | {r['step_s'] * 1e3:,.1f} ms "
+                f"| {r['tokens_per_sec']:,.0f} | {mfu} |")
+    ok = [r for r in rows if "error" not in r]
+    where = f"{ok[0]['devices']} x {ok[0]['device']}, attention {ok[0]['attention']}" if ok else "no run succeeded"
+    return _common.entry(f"gpu: tokens/s and MFU, seq {rows[0]['seq_len']}, bf16, {where}", "\n".join(
+        ["| config | global batch | remat | XLA flags | step | tokens/s | MFU |", "|---|---|---|---|---|---|---|"]
+        + [cell(r) for r in rows]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", default="configs/gpt2_124m.py,configs/llama_1b.py")
+    parser.add_argument("--batch_sizes", default="8,16,32")
+    parser.add_argument("--remat", default="none,dots_saveable,full")
+    parser.add_argument("--flag_sets", default="jaxscale,none")
+    parser.add_argument("--seq_len", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--override", action="append", default=[], help="a.b=value, as --config.a.b")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    _common.add_flags(parser)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(_worker(args)), flush=True)
+        return
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+    grid = itertools.product(args.configs.split(","), map(int, args.batch_sizes.split(",")), args.remat.split(","),
+                             args.flag_sets.split(","))
+    rows = [_run_one(*combination, args) for combination in grid]
+    _common.report(args, report(rows), {"benchmark": "gpu", "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
