@@ -340,5 +340,22 @@ def _check_checkpoint_sources(ckpt) -> None:
                      "no such path; give a workdir, its checkpoints/ dir or one step's dir")
 
 
+def from_dict(values: dict, prefix: str = "") -> ml_collections.ConfigDict:
+    """A config from a saved dict (config.json, a checkpoint's config): the defaults with every
+    saved value set, so keys added to jaxscale since keep their defaults; unknown keys are errors."""
+    config = defaults()
+    for dotted, value in _flatten(values, prefix):
+        set_value(config, dotted, value)
+    return config
+
+
+def _flatten(values: dict, prefix: str = ""):
+    for key, value in values.items():
+        if isinstance(value, dict):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield prefix + key, value
+
+
 def to_json(config) -> str:
     return json.dumps(config.to_dict(), indent=2, sort_keys=True)
