@@ -29,7 +29,7 @@ def _config(mode: str, length: int, devices: int):
                                                            f"model.attention.context_parallel={mode}"])
     config_lib.apply_overrides(config, layout + [f"train.seq_len={length}", "train.global_batch_size=1",
                                                   "data.source=synthetic", "metrics.progress=False",
-                                                  "metrics.tensorboard=False", "model.dtype=float32"])
+                                                  "tracking.writers=jsonl", "model.dtype=float32"])
     return config
 
 

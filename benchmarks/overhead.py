@@ -179,7 +179,7 @@ def main() -> None:
         args.rounds, args.steps = 1, 2
         args.override = SMOKE_OVERRIDES + args.override
     config = config_lib.load(args.config)
-    config_lib.apply_overrides(config, args.override + ["metrics.progress=False", "metrics.tensorboard=False"])
+    config_lib.apply_overrides(config, args.override + ["metrics.progress=False", "tracking.writers=jsonl"])
     with contextlib.redirect_stdout(sys.stderr):  # the run's own messages; stdout is the report
         result = measure(config, args.rounds, args.steps, args.checkpoint_every)
     _common.report(args, report(args.config, result),

@@ -26,7 +26,7 @@ def _config(stages: int, count: int, batch: int, virtual: int, seq_len: int):
         "mesh.data=1", f"mesh.pipeline={stages}", f"pipeline.microbatches={count}", f"model.num_layers={4 * virtual}",
         f"pipeline.schedule={'circular' if virtual > 1 else 'gpipe'}", f"pipeline.virtual_stages={virtual}",
         f"train.global_batch_size={batch}", f"train.seq_len={seq_len}", "data.source=synthetic",
-        "metrics.progress=False", "metrics.tensorboard=False", "model.dtype=float32"])
+        "metrics.progress=False", "tracking.writers=jsonl", "model.dtype=float32"])
     return config
 
 

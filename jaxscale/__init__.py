@@ -1,3 +1,13 @@
 """jaxscale: named-mesh parallel training for JAX."""
 
 __version__ = "0.1.0"
+__all__ = ["Trainer"]
+
+
+def __getattr__(name: str):
+    # Imported on first use: `import jaxscale` (e.g. by the launcher) should not load JAX.
+    if name == "Trainer":
+        from jaxscale.trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'jaxscale' has no attribute {name!r}")

@@ -51,6 +51,22 @@ def load_config(path: str, overrides: list[str]):
     return config
 
 
+def run(call: Callable[[], None]) -> int:
+    """Run `call`; the exit code, with bad input and run errors as one line on stderr."""
+    try:
+        call()
+    except ConfigError as error:
+        print(f"jaxscale: error: {error}", file=sys.stderr)
+        return 2
+    except RunError as error:
+        print(f"jaxscale: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # outside the training steps, which save and exit 0 on SIGINT
+        print("jaxscale: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
 def main(command: Callable[[object, str, dict], None], usage: str, extra: dict[str, type],
          argv: list[str] | None = None) -> int:
     """Parse flags, load the config, run `command(config, path, flags)`; bad input exits 2."""
@@ -58,13 +74,9 @@ def main(command: Callable[[object, str, dict], None], usage: str, extra: dict[s
     if any(a in ("-h", "--help") for a in argv):
         print(usage)
         return 0
-    try:
+
+    def call() -> None:
         path, overrides, flags = parse_flags(argv, usage, extra)
         command(load_config(path, overrides), path, flags)
-    except ConfigError as error:
-        print(f"jaxscale: error: {error}", file=sys.stderr)
-        return 2
-    except RunError as error:
-        print(f"jaxscale: error: {error}", file=sys.stderr)
-        return 1
-    return 0
+
+    return run(call)

@@ -19,6 +19,7 @@ from jaxscale.errors import ConfigError
 from jaxscale.guard import SPIKE_ACTIONS
 from jaxscale.mesh import AXES, BATCH_AXES, axis_sizes
 from jaxscale.sharding import DEFAULT_RULES, rules_from_config
+from jaxscale.tracking import check_writers
 
 FAMILIES = ("llama", "gpt2")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
@@ -108,8 +109,15 @@ def defaults() -> ml_collections.ConfigDict:
     c.xla = dict(
         gpu_defaults=True,     # set jaxscale's XLA flags on NVIDIA GPUs (jaxscale/xla_flags.py); yours win
     )
+    c.tracking = dict(
+        writers="jsonl,tensorboard",  # any of jsonl, tensorboard, mlflow, wandb (those two need their extras)
+        experiment="jaxscale",   # MLflow experiment / W&B project
+        run_name="",             # default: the workdir's name
+        mlflow_uri="",           # default: sqlite:///WORKDIR/mlflow.db (MLflow's local store, no server)
+        wandb_mode="",           # W&B's own setting (WANDB_MODE) unless online | offline | disabled
+        report=True,             # refresh WORKDIR/report.md and its plots at every evaluation and at the end
+    )
     c.metrics = dict(
-        tensorboard=True,
         progress=True,         # a console line per logged step (and a bar on a terminal); notes and warnings always print
         peak_tflops=0.0,       # per-device dense peak for MFU; 0 = look the device up in the table
     )
@@ -117,10 +125,16 @@ def defaults() -> ml_collections.ConfigDict:
 
 
 def load(path: str) -> ml_collections.ConfigDict:
-    """Run a config file's get_config(); errors name --config."""
+    """Run a config file's get_config(), or read a saved config.json (a workdir's, a converted
+    model's); errors name --config."""
     file = Path(path)
     if not file.is_file():
-        raise ConfigError("--config", path, "pass a config file such as configs/tiny.py")
+        raise ConfigError("--config", path, "pass a config file such as configs/tiny.py, or a run's config.json")
+    if file.suffix == ".json":
+        try:
+            return from_dict(json.loads(file.read_text()))
+        except json.JSONDecodeError as error:
+            raise ConfigError("--config", path, f"is not valid JSON ({error})") from None
     spec = importlib.util.spec_from_file_location(f"jaxscale_config_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
     try:
@@ -327,6 +341,9 @@ def validate(config, device_count: int, granules: int = 1) -> None:
     _require(config.data.source != "file" or bool(config.data.path), "data.path", config.data.path,
              "data.source=file needs --config.data.path=FILE")
     _check_checkpoint_sources(config.checkpoint)
+    _require(config.tracking.wandb_mode in ("", "online", "offline", "disabled"), "tracking.wandb_mode",
+             config.tracking.wandb_mode, "choose online, offline or disabled (or leave it empty for W&B's default)")
+    check_writers(config.tracking.writers)
 
 
 def _check_checkpoint_sources(ckpt) -> None:

@@ -16,7 +16,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxscale import config as config_lib
+from jaxscale import inspection
 from jaxscale import metrics as metrics_lib
+from jaxscale import report as report_lib
 from jaxscale import resume
 from jaxscale import state as state_lib
 from jaxscale import xla_flags
@@ -34,6 +36,7 @@ from jaxscale.progress import ProgressDisplay
 from jaxscale.sharding import Layout, layout_from_config
 from jaxscale.step import compute_dtype, jit_eval_step, jit_train_step
 from jaxscale.tracing import TraceWindow
+from jaxscale.tracking import Tracker
 from jaxscale.workdir import WorkdirLock
 
 VERSIONS = {"jaxscale": version("jaxscale"), "jax": jax.__version__, "orbax": version("orbax-checkpoint")}
@@ -150,7 +153,7 @@ class Session:
 
     run: Run
     checkpointer: Checkpointer
-    writer: metrics_lib.MetricsWriter
+    tracker: Tracker
     display: ProgressDisplay
     preemption: PreemptionWatch
     watchdog: Watchdog
@@ -181,13 +184,26 @@ class Session:
     def val_batches(self) -> list:
         t = self.run.config.train
         if self._val is None:
-            self._val = self.run.data.val_batches(t.eval_batches) if t.eval_every else []
+            self._val = self.run.data.val_batches(t.eval_batches)
         return self._val
 
     def position(self) -> dict:
-        """The data position saved with a checkpoint: independent of devices and processes."""
+        """What a checkpoint saves beside the state: the data position (independent of devices
+        and processes), rollbacks so far, and the tracker runs to continue on resume."""
         return {"global_sample": self.data_step * self.run.config.train.global_batch_size,
-                "rollbacks": self.rollbacks}
+                "rollbacks": self.rollbacks, "tracking": self.tracker.ids}
+
+    def report(self, final: bool = False) -> None:
+        """Refresh the run report (process 0); at the end of a session also hand it, the config
+        and the last checkpoint's path to the tracker runs."""
+        if jax.process_index() != 0:
+            return
+        workdir = self.checkpointer.directory.parent
+        files = report_lib.write(workdir) if self.run.config.tracking.report else []
+        if final:
+            latest = self.checkpointer.latest_step()
+            tags = {} if latest is None else {"last_checkpoint": str(self.checkpointer.directory / str(latest))}
+            self.tracker.artifacts([workdir / "config.json", *files], tags)
 
     def save(self, step: int) -> None:
         run = self.run
@@ -207,20 +223,27 @@ def run_steps(session: Session, until: int | None = None) -> list[dict]:
     t = session.run.config.train
     last, records = min(t.steps, until or t.steps), []
     session.compiled()
-    session.watchdog.start()
-    try:
-        while (not session.preempted and _current_step(session.run) < last
-               and _steps(session, last, records) == "rollback"):
-            pass
-    finally:
-        session.watchdog.stop()
+    session.preempted = False
+    # Signals are taken over only while steps run: outside them (a notebook between calls)
+    # Ctrl-C keeps its usual meaning.
+    with session.preemption:
+        session.watchdog.start()
+        try:
+            while (not session.preempted and _current_step(session.run) < last
+                   and _steps(session, last, records) == "rollback"):
+                pass
+        finally:
+            session.watchdog.stop()
+    session.checkpointer.wait()  # the report names the last committed checkpoint
+    session.report(final=True)
     return records
 
 
 def _steps(session: Session, last: int, records: list[dict]) -> str:
     """Steps until `last`; returns done | preempted | rollback."""
     run, t = session.run, session.run.config.train
-    compiled, val, start = session.compiled(), session.val_batches(), _current_step(run)
+    compiled, start = session.compiled(), _current_step(run)
+    val = session.val_batches() if t.eval_every else []
     clock, batches = _Clock(start), run.data.train_batches(session.data_step)
     try:
         for step in range(start + 1, last + 1):
@@ -264,8 +287,10 @@ def _log(session: Session, step: int, metrics: dict, clock: _Clock, val) -> dict
         record["val_loss"] = evaluate(run, val)
         clock.restart()  # evaluation time is not step time
     session.checkpointer.check()  # a background save that failed stops the run here
-    session.writer.write(record)
+    session.tracker.write(record)
     session.display.update(record)
+    if "val_loss" in record:
+        session.report()
     return record
 
 
@@ -321,15 +346,18 @@ def open_session(config, workdir: str | Path, show_progress: bool = True, device
     the metric writers and the console. Closing it waits for the last checkpoint to commit."""
     workdir, devices, opened = Path(workdir), list(devices or jax.devices()), time.perf_counter()
     _validate(config, devices)  # before touching the workdir
-    with (WorkdirLock(workdir), PreemptionWatch(config.checkpoint.preemption_timeout_s) as preemption,
+    preemption = PreemptionWatch(config.checkpoint.preemption_timeout_s)  # entered while steps run
+    with (contextlib.ExitStack() as stack, WorkdirLock(workdir),
           Checkpointer(workdir / CHECKPOINTS, config.checkpoint) as checkpointer):
         start = resume.choose(config, checkpointer)
         run = setup(config, devices, init=start.kind == "fresh")  # never hold a fresh and a restored state
-        with _outputs(run, workdir, show_progress) as (writer, display):
+        with _console(run, workdir, show_progress) as display:
             _introduce(run, workdir, display)
-            data_step = resume.apply(start, run, display.print)
+            data_step, tracker_ids = resume.apply(start, run, display.print)
+            _describe(run, workdir)
+            tracker = stack.enter_context(contextlib.closing(Tracker.open(workdir, config, tracker_ids)))
             d, prof = config.distributed, config.profile
-            yield Session(run, checkpointer, writer, display, preemption, Watchdog(d.watchdog_seconds),
+            yield Session(run, checkpointer, tracker, display, preemption, Watchdog(d.watchdog_seconds),
                           StragglerReport(d.straggler_every, d.straggler_threshold, display.print),
                           TraceWindow(prof.start_step, prof.steps, workdir / "profile", display.print), data_step,
                           opened=opened)
@@ -359,18 +387,23 @@ def _introduce(run: Run, workdir: Path, display: ProgressDisplay) -> None:
 
 
 @contextlib.contextmanager
-def _outputs(run: Run, workdir: Path, show_progress: bool):
-    """(metrics writer, console) of process 0 (the others get silent ones); config.json."""
+def _console(run: Run, workdir: Path, show_progress: bool):
+    """The console of process 0 (the others get a silent one); writes config.json."""
     config, main = run.config, jax.process_index() == 0
     if main:
         (workdir / "config.json").write_text(config_lib.to_json(config))
     display = ProgressDisplay(config.train.steps, 0, main, show_bar=show_progress, show_steps=config.metrics.progress)
-    writer = metrics_lib.MetricsWriter(workdir, main, config.metrics.tensorboard)
     try:
-        yield writer, display
+        yield display
     finally:
-        writer.close()
         display.close()
+
+
+def _describe(run: Run, workdir: Path) -> None:
+    """WORKDIR/sharding.txt: the mesh and every parameter's placement, for the run report."""
+    if jax.process_index() == 0:
+        (workdir / report_lib.SHARDING).write_text(
+            f"{_summary(run, workdir)}\n\n{inspection.sharding_table(run.state.params, 'params/')}\n")
 
 
 def train(config, workdir: str | Path, show_progress: bool = True, until: int | None = None,

@@ -1,10 +1,9 @@
-"""Model FLOPs utilisation (PaLM convention) and the metric writers: JSONL, TensorBoard, console."""
+"""Model FLOPs utilisation (PaLM convention): FLOPs per token and the peak table.
+The writers of metrics (JSONL, TensorBoard, MLflow, W&B) live in jaxscale.tracking."""
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 
 import jax
 
@@ -43,34 +42,3 @@ def mfu(tokens_per_sec: float, flops_per_tok: float, num_devices: int, peak: flo
     if not peak:
         return None
     return tokens_per_sec * flops_per_tok / (num_devices * peak * 1e12)
-
-
-class MetricsWriter:
-    """Appends one JSON object per logged step to metrics.jsonl and mirrors scalars to TensorBoard.
-
-    Only the process that should write (process 0) creates one with enabled=True.
-    """
-
-    def __init__(self, workdir: Path, enabled: bool, tensorboard: bool):
-        self.enabled = enabled
-        self._jsonl = open(workdir / "metrics.jsonl", "a") if enabled else None
-        self._tb = None
-        if enabled and tensorboard:
-            from tensorboardX import SummaryWriter  # imported late: it is slow to import
-            self._tb = SummaryWriter(str(workdir / "tensorboard"))
-
-    def write(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, record["step"])
-
-    def close(self) -> None:
-        if self._jsonl:
-            self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()

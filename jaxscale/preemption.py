@@ -38,6 +38,7 @@ class PreemptionWatch:
         self._deadline: threading.Timer | None = None
 
     def __enter__(self) -> "PreemptionWatch":
+        self.signal_name, self.received_at = None, None
         if threading.current_thread() is not threading.main_thread():
             return self
         for sig in SIGNALS:
@@ -75,6 +76,7 @@ class PreemptionWatch:
     def __exit__(self, *exc) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
+            self._deadline = None
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous = {}

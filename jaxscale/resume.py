@@ -59,11 +59,12 @@ def _checker(run, start: Start, say: Callable[[str], None]):
     return check
 
 
-def apply(start: Start, run, say: Callable[[str], None]) -> int:
-    """Put the start's state into run.state; returns the data step (index of the next batch).
-    A foreign checkpointer (resume_from, init_from) is closed afterwards."""
+def apply(start: Start, run, say: Callable[[str], None]) -> tuple[int, dict]:
+    """Put the start's state into run.state; returns (the data step, i.e. the index of the next
+    batch; the tracker run ids saved with the checkpoint). A foreign checkpointer (resume_from,
+    init_from) is closed afterwards."""
     if start.kind == "fresh":
-        return 0
+        return 0, {}
     try:
         restored = start.checkpointer.restore(run.state, _checker(run, start, say),
                                               params_only=start.kind == "init", step=start.step, warn=say)
@@ -79,15 +80,16 @@ def apply(start: Start, run, say: Callable[[str], None]) -> int:
                                       params=restored.state["params"])
         say(f"initialised parameters from {start.checkpointer.directory}/{restored.step}; "
             "fresh optimizer state, step 0")
-        return 0
+        return 0, {}
     run.state = restored.state
-    return _position(run, restored, say)
+    ids = {} if start.field else restored.position.get("tracking", {})  # another run's trackers stay its own
+    return _position(run, restored, say), ids
 
 
-def _fresh(run, say) -> int:
+def _fresh(run, say) -> tuple[int, dict]:
     say("no usable checkpoint left; starting from scratch")
     run.state, _ = state_lib.init(run.model, run.tx, run.config.train.seed, run.layout, run.guard)
-    return 0
+    return 0, {}
 
 
 def _position(run, restored, say) -> int:

@@ -34,7 +34,8 @@ def small_config():
     config.model.update(num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128, dtype="float32")
     config.train.update(steps=20, global_batch_size=16, seq_len=32, log_every=5, eval_every=10, eval_batches=2)
     config.optim.update(lr=3e-3, warmup_steps=5)
-    config.metrics.update(tensorboard=False, progress=False)
+    config.metrics.progress = False
+    config.tracking.update(writers="jsonl", report=False)
     return config
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT, cli_env, run_cli, start_cli
 
-TINY = ["--config=configs/tiny.py", "--config.train.eval_every=0", "--config.metrics.tensorboard=False"]
+TINY = ["--config=configs/tiny.py", "--config.train.eval_every=0", "--config.tracking.writers=jsonl"]
 
 
 def _records(workdir):

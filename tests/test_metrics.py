@@ -31,14 +31,3 @@ def test_flops_per_token_matches_hand_count():
 def test_mfu():
     assert metrics.mfu(1000.0, 1e9, 2, None) is None
     assert metrics.mfu(1000.0, 1e9, 2, 100.0) == pytest.approx(1000 * 1e9 / (2 * 100e12))
-
-
-def test_writer_jsonl_and_tensorboard(tmp_path):
-    writer = metrics.MetricsWriter(tmp_path, enabled=True, tensorboard=True)
-    writer.write({"step": 1, "loss": 2.5, "mfu": None})
-    writer.close()
-    assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": 2.5, "mfu": None}
-    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
-    silent = metrics.MetricsWriter(tmp_path / "other", enabled=False, tensorboard=True)
-    silent.write({"step": 1})
-    assert not (tmp_path / "other").exists()

@@ -6,6 +6,7 @@ onto any mesh with verification and fallback; where a checkpoint given by path l
 """
 
 from jaxscale.checkpoint.manager import CORRUPT_DIR, CorruptCheckpoint, Checkpointer, Restored
+from jaxscale.checkpoint.params import load_params
 from jaxscale.checkpoint.sources import CHECKPOINTS, locate
 
-__all__ = ["CHECKPOINTS", "CORRUPT_DIR", "Checkpointer", "CorruptCheckpoint", "Restored", "locate"]
+__all__ = ["CHECKPOINTS", "CORRUPT_DIR", "Checkpointer", "CorruptCheckpoint", "Restored", "load_params", "locate"]

@@ -1,0 +1,115 @@
+"""CLI: Hugging Face checkpoints in and out.
+
+    python -m jaxscale.convert from-hf HF_DIR OUT_DIR [--config.section.key=value ...]
+    python -m jaxscale.convert to-hf CKPT HF_DIR
+
+from-hf reads a local Llama or GPT-2 checkpoint (config.json and safetensors) tensor by tensor
+and writes OUT_DIR/config.json (the defaults with the model's shape, and its tokenizer.json when
+the HF dir has one) and a parameters-only checkpoint in OUT_DIR/checkpoints/0. Train from it:
+
+    python -m jaxscale.train --config=OUT_DIR/config.json --config.checkpoint.init_from=OUT_DIR --workdir=RUN
+
+to-hf writes the parameters of CKPT (a workdir, its checkpoints/ directory or one step's
+directory; the newest committed step unless a step's directory is given) as an HF checkpoint
+that transformers' AutoModelForCausalLM loads, with the run's tokenizer.json if it used one.
+Exit codes: 0 done, 2 bad input (one line on stderr), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+from jaxscale import cli
+from jaxscale.errors import ConfigError
+
+USAGE = ("usage: python -m jaxscale.convert from-hf HF_DIR OUT_DIR [--config.section.key=value ...]\n"
+         "       python -m jaxscale.convert to-hf CKPT HF_DIR")
+
+
+def config_for_hf(hf_dir, config=None):
+    """`config` (default: the defaults) with the model fields of the HF checkpoint and, when the
+    directory has one, its tokenizer.json."""
+    from jaxscale import config as config_lib
+    from jaxscale.interop import model_config_from_hf
+
+    config = config_lib.defaults() if config is None else config
+    config.model.update(model_config_from_hf(hf_dir))
+    if (Path(hf_dir) / "tokenizer.json").exists():
+        config.data.tokenizer = str(Path(hf_dir) / "tokenizer.json")
+    return config
+
+
+def from_hf(hf_dir, out_dir, config) -> int:
+    """Write `config` and the HF weights as a parameters-only checkpoint (step 0) in out_dir;
+    returns the number of parameters."""
+    import jax
+
+    from jaxscale import config as config_lib
+    from jaxscale.checkpoint import Checkpointer
+    from jaxscale.interop import load_hf_params
+    from jaxscale.models import model_from_config
+
+    model, _ = model_from_config(config, jax.default_backend())
+    params = load_hf_params(hf_dir, model.spec)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(config_lib.to_json(config))
+    with Checkpointer(out / "checkpoints", config.checkpoint) as checkpointer:
+        checkpointer.save(0, {"params": params}, {"global_sample": 0},
+                          {"source": "huggingface", "hf_dir": str(Path(hf_dir).absolute())}, config.to_dict())
+    return sum(x.size for x in jax.tree.leaves(params))
+
+
+def to_hf(checkpoint: str, hf_dir) -> int:
+    """Write a checkpoint's parameters as an HF checkpoint; returns the step exported."""
+    from jaxscale.checkpoint import load_params
+    from jaxscale.interop import save_hf
+    from jaxscale.models import model_from_config
+
+    import jax
+
+    config, params, step = load_params(checkpoint, field="CKPT")
+    model, _ = model_from_config(config, jax.default_backend())
+    save_hf(params, model.spec, hf_dir)
+    tokenizer = Path(config.data.tokenizer)
+    if tokenizer.suffix == ".json" and tokenizer.exists():
+        shutil.copy(tokenizer, Path(hf_dir) / "tokenizer.json")
+    return step
+
+
+def _command(argv: list[str]) -> None:
+    if len(argv) < 3 or argv[0] not in ("from-hf", "to-hf"):
+        raise ConfigError("command", " ".join(argv[:1]), USAGE.replace("\n", " | "))
+    command, source, destination, rest = argv[0], argv[1], argv[2], argv[3:]
+    if not Path(source).exists():
+        raise ConfigError("HF_DIR" if command == "from-hf" else "CKPT", source, "no such directory")
+    if command == "to-hf":
+        if rest:
+            raise ConfigError("flag", rest[0], "to-hf takes no flags: the checkpoint has its config")
+        step = to_hf(source, destination)
+        print(f"wrote step {step} of {source} to {destination} (Hugging Face format)")
+        return
+    from jaxscale import config as config_lib
+
+    unknown = [flag for flag in rest if not flag.startswith("--config.")]
+    if unknown:
+        raise ConfigError("flag", unknown[0], USAGE.replace("\n", " | "))
+    config = config_for_hf(source)
+    config_lib.apply_overrides(config, [flag.removeprefix("--config.") for flag in rest])
+    count = from_hf(source, destination, config)
+    print(f"wrote {count / 1e6:,.1f}M parameters of {source} to {destination}; train from them with "
+          f"--config={Path(destination) / 'config.json'} --config.checkpoint.init_from={destination}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    return cli.run(lambda: _command(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

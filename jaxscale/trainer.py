@@ -1,0 +1,148 @@
+"""Training from a notebook or any Python code, on the same code path as `python -m jaxscale.train`.
+
+    from jaxscale import Trainer, config
+    cfg = config.load("configs/tiny.py")
+    trainer = Trainer(cfg, workdir="runs/nb")      # resumes if runs/nb has a checkpoint
+    trainer.run(100)                               # call again to go on; Ctrl-C saves and stops
+    plt.plot(trainer.metrics["step"], trainer.metrics["loss"])
+    print(trainer.generate("The ", max_new_tokens=50))
+    trainer.close()                                # or `with Trainer(...) as trainer:`
+
+A Trainer holds its workdir (the lock, the checkpointer, the compiled step) until closed; a second
+Trainer or a CLI run on the same workdir is refused meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxscale import inspection, loop
+from jaxscale.models.precision import compute_dtype
+
+
+class Trainer:
+    def __init__(self, config, workdir: str | Path, devices=None, show_progress: bool = False):
+        self.config, self.workdir = config, Path(workdir)
+        self._stack = contextlib.ExitStack()
+        self._session = self._stack.enter_context(loop.open_session(config, self.workdir, show_progress, devices))
+        self._records = {r["step"]: r for r in _earlier_records(self.workdir)}
+
+    @classmethod
+    def from_hf(cls, hf_dir: str | Path, workdir: str | Path, config=None, **kwargs) -> "Trainer":
+        """Fine-tune a Hugging Face Llama or GPT-2 checkpoint: its weights are converted once into
+        WORKDIR/hf_import (parameters only) and the run starts from them with a fresh optimizer;
+        a workdir that already has checkpoints resumes them instead. `config` (default: the
+        defaults) gets the model's shape and, if the HF dir has one, its tokenizer.json."""
+        from jaxscale import convert
+
+        workdir = Path(workdir)
+        config = convert.config_for_hf(hf_dir, config)
+        imported = workdir / "hf_import"
+        if not (workdir / "checkpoints").exists() and not (imported / "checkpoints").exists():
+            convert.from_hf(hf_dir, imported, config)
+        config.checkpoint.init_from = str(imported)
+        return cls(config, workdir, **kwargs)
+
+    # -- training ------------------------------------------------------------------------------
+
+    def run(self, steps: int | None = None) -> list[dict]:
+        """Train `steps` more steps (default: up to train.steps, which also sets the schedule's
+        length); returns their logged records. Interrupting the kernel saves the step in flight."""
+        until = None if steps is None else self.step + steps
+        records = loop.run_steps(self._session, until)
+        self._records.update((r["step"], r) for r in records)
+        return records
+
+    def evaluate(self) -> float:
+        """Mean loss over the held-out batches (train.eval_batches of them)."""
+        return loop.evaluate(self._session.run, self._session.val_batches())
+
+    def save(self) -> int:
+        """Checkpoint the current state now and wait for it to commit; returns its step."""
+        step = self.step
+        self._session.save(step)
+        self._session.checkpointer.wait()
+        return step
+
+    # -- looking at the run --------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        return int(jax.device_get(self._session.run.state.step))
+
+    @property
+    def state(self):
+        """The TrainState (params, opt_state, step, rng, guard), sharded on the run's mesh."""
+        return self._session.run.state
+
+    @property
+    def mesh(self):
+        return self._session.run.layout.mesh
+
+    @property
+    def metrics(self) -> dict[str, list]:
+        """Every logged step of this workdir so far, as columns ready to plot: {'step': [...],
+        'loss': [...], 'val_loss': [...], ...}; NaN where a step lacks a value (val_loss)."""
+        records = [self._records[s] for s in sorted(self._records)]
+        keys = dict.fromkeys(k for r in records for k in r)
+        return {k: [r.get(k, math.nan) for r in records] for k in keys}
+
+    def sharding_table(self) -> str:
+        """Shape, PartitionSpec and MiB per device of every parameter and optimizer array."""
+        state = self.state
+        return "\n\n".join([inspection.sharding_table(state.params, "params/"),
+                            inspection.sharding_table(state.opt_state, "opt_state/")])
+
+    def show_sharding(self, array) -> None:
+        """Draw which device holds which block of a 1-D or 2-D array (e.g. trainer.state.params['embed'])."""
+        inspection.show_sharding(array)
+
+    # -- using the model -----------------------------------------------------------------------
+
+    def logits(self, tokens) -> np.ndarray:
+        """float32 logits [B, L, V] of token ids [B, L] (or [L]) under the current parameters."""
+        run = self._session.run
+        tokens = jnp.asarray(tokens, jnp.int32)
+        tokens = tokens[None] if tokens.ndim == 1 else tokens
+        dtype = compute_dtype(run.config.model.dtype)
+        apply = jax.jit(lambda p, t: run.model.apply(jax.tree.map(lambda x: x.astype(dtype), p), t))
+        return np.asarray(apply(run.state.params, tokens))
+
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 100, temperature: float = 0.0,
+                 top_k: int = 0, seed: int = 0) -> str:
+        """The continuation of `prompt` (text, or token ids) under the current parameters: greedy
+        at temperature 0, else sampled (from the top_k most likely tokens when top_k > 0)."""
+        from jaxscale import sampling
+
+        run = self._session.run
+        tokenizer = run.data.tokenizer
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        new = sampling.generate(run.model, run.state.params, ids, max_new_tokens, temperature=temperature,
+                                top_k=top_k, seed=seed, dtype=compute_dtype(run.config.model.dtype))
+        return tokenizer.decode(new)
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for the last checkpoint to commit and release the workdir."""
+        self._stack.close()
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _earlier_records(workdir: Path) -> list[dict]:
+    path = workdir / "metrics.jsonl"
+    if jax.process_index() != 0 or not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
