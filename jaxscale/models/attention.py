@@ -1,4 +1,5 @@
-"""Attention kernels per platform: `xla` everywhere, cuDNN flash attention on NVIDIA GPUs."""
+"""Attention kernels per platform: `xla` everywhere, cuDNN flash attention on NVIDIA GPUs; and
+attention to a KV cache for decoding (`write_cache`, `cached_attention`)."""
 
 from __future__ import annotations
 
