@@ -14,20 +14,30 @@ from jaxscale.errors import ConfigError, RunError
 
 def parse_flags(argv: list[str], usage: str, extra: dict[str, type]) -> tuple[str, list[str], dict]:
     """(config path, overrides 'a.b=v', {extra flag: value}); a bare --flag means True."""
-    path, overrides, values = None, [], {}
+    path, overrides, rest = None, [], []
     for arg in argv:
-        name, sep, value = arg.partition("=")
+        name, _, value = arg.partition("=")
         if name == "--config":
             path = value
         elif name.startswith("--config."):
             overrides.append(arg[len("--config."):])
-        elif name[2:] in extra:
-            values[name[2:]] = _convert(name, value if sep else "true", extra[name[2:]])
         else:
-            raise ConfigError(name, value, f"unknown flag; {usage}")
+            rest.append(arg)
+    values = parse_named(rest, usage, extra)
     if not path:
         raise ConfigError("--config", "", f"missing; {usage}")
     return path, overrides, values
+
+
+def parse_named(argv: list[str], usage: str, flags: dict[str, type]) -> dict:
+    """{flag: value} of --flag=value arguments, converted to their types; a bare --flag means True."""
+    values = {}
+    for arg in argv:
+        name, sep, value = arg.partition("=")
+        if not name.startswith("--") or name[2:] not in flags:
+            raise ConfigError(name, value, f"unknown flag; {usage}")
+        values[name[2:]] = _convert(name, value if sep else "true", flags[name[2:]])
+    return values
 
 
 def _convert(name: str, text: str, kind: type):
@@ -51,8 +61,8 @@ def load_config(path: str, overrides: list[str]):
     return config
 
 
-def run(call: Callable[[], None]) -> int:
-    """Run `call`; the exit code, with bad input and run errors as one line on stderr."""
+def _exit_code(call: Callable[[], None]) -> int:
+    """Run `call`; its exit code, with bad input and run errors as one line on stderr."""
     try:
         call()
     except ConfigError as error:
@@ -67,16 +77,21 @@ def run(call: Callable[[], None]) -> int:
     return 0
 
 
-def main(command: Callable[[object, str, dict], None], usage: str, extra: dict[str, type],
-         argv: list[str] | None = None) -> int:
-    """Parse flags, load the config, run `command(config, path, flags)`; bad input exits 2."""
+def run(body: Callable[[list[str]], None], usage: str, argv: list[str] | None = None) -> int:
+    """Run `body(argv)` as a command: -h/--help prints usage; a ConfigError exits 2 and a RunError
+    1, each as one line on stderr; Ctrl-C exits 130."""
     argv = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in argv):
         print(usage)
         return 0
+    return _exit_code(lambda: body(argv))
 
-    def call() -> None:
+
+def main(command: Callable[[object, str, dict], None], usage: str, extra: dict[str, type],
+         argv: list[str] | None = None) -> int:
+    """Parse flags, load the config, run `command(config, path, flags)`; bad input exits 2."""
+    def body(argv: list[str]) -> None:
         path, overrides, flags = parse_flags(argv, usage, extra)
         command(load_config(path, overrides), path, flags)
 
-    return run(call)
+    return run(body, usage, argv)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale.models.attention import causal_attention
+from jaxscale.models.attention import cached_attention, causal_attention, write_cache
 from jaxscale.parallel import context
 from jaxscale.sharding import active_layout, constrain
 
@@ -97,7 +97,10 @@ class Attention(nnx.Module):
         y = y + getattr(self, bias_name)[...] if hasattr(self, bias_name) else y
         return constrain(y, ("batch", "act_length", heads_axis, "head_dim"))
 
-    def __call__(self, x_BLD, positions_BL):
+    def __call__(self, x_BLD, positions_BL, cache=None):
+        """(out_BLD, cache). Without a cache (training), causal attention over this sequence and
+        cache None. With one ({'k', 'v'}: [B, S, K, E], decoding), the new keys and values are
+        written at their positions and the queries attend to the updated cache, which is returned."""
         q_BLHE = self._project(x_BLD, self.wq, "bias_q", "act_heads")
         k_BLKE = self._project(x_BLD, self.wk, "bias_k", "act_kv_heads")
         v_BLKE = self._project(x_BLD, self.wv, "bias_v", "act_kv_heads")
@@ -105,13 +108,16 @@ class Attention(nnx.Module):
             q_BLHE = rope(q_BLHE, positions_BL, self.theta)
             k_BLKE = rope(k_BLKE, positions_BL, self.theta)
         layout = active_layout()
-        if layout is not None and layout.mesh.shape[context.AXIS] > 1:
+        if cache is not None:
+            cache = dict(k=write_cache(cache["k"], k_BLKE, positions_BL), v=write_cache(cache["v"], v_BLKE, positions_BL))
+            out_BLHE = cached_attention(q_BLHE, cache["k"], cache["v"], positions_BL)
+        elif layout is not None and layout.mesh.shape[context.AXIS] > 1:
             out_BLHE = context.attention(q_BLHE, k_BLKE, v_BLKE, positions_BL, layout.mesh, self.context_parallel)
         else:
             out_BLHE = causal_attention(q_BLHE, k_BLKE, v_BLKE, self.impl)
         out_BLHE = constrain(out_BLHE, ("batch", "act_length", "act_heads", "head_dim"))
         out_BLD = jnp.einsum("BLHE,HED->BLD", out_BLHE, self.wo[...])
-        return out_BLD + self.bias_o[...] if hasattr(self, "bias_o") else out_BLD
+        return (out_BLD + self.bias_o[...] if hasattr(self, "bias_o") else out_BLD), cache
 
 
 class SwiGLU(nnx.Module):

@@ -66,11 +66,13 @@ class Block(nnx.Module):
         self.attn = Attention(spec, rngs)
         self.mlp = SwiGLU(spec, rngs) if spec.family == "llama" else GeluMLP(spec, rngs)
 
-    def __call__(self, x_BLD, positions_BL):
+    def __call__(self, x_BLD, positions_BL, cache=None):
+        """(x_BLD, this layer's updated KV cache, or None without one: see Attention)."""
         # Norms run on the residual layout (split along length in sequence-parallel mode); their
         # outputs are gathered to the tensor-parallel layout that attention and the MLP need.
-        x_BLD = constrain(x_BLD + self.attn(constrain(self.attn_norm(x_BLD), INNER), positions_BL), RESIDUAL)
-        return constrain(x_BLD + self.mlp(constrain(self.mlp_norm(x_BLD), INNER)), RESIDUAL)
+        attn_BLD, cache = self.attn(constrain(self.attn_norm(x_BLD), INNER), positions_BL, cache)
+        x_BLD = constrain(x_BLD + attn_BLD, RESIDUAL)
+        return constrain(x_BLD + self.mlp(constrain(self.mlp_norm(x_BLD), INNER)), RESIDUAL), cache
 
 
 class Transformer(nnx.Module):
@@ -84,24 +86,34 @@ class Transformer(nnx.Module):
         if not spec.tie_embeddings:
             self.head = normal(rngs, (spec.d_model, spec.vocab_size), ("embed", "vocab"), spec.init_std)
 
-    def __call__(self, tokens_BL, positions_BL):
+    def __call__(self, tokens_BL, positions_BL, cache=None):
+        """(logits_BLV float32, the updated KV cache, or None without one).
+
+        Without a cache: the training forward (causal over the sequence; pipeline and context
+        parallel under an active layout). With one (stacked {'k', 'v'}: [layers, B, S, K, E]):
+        decoding, the tokens at consecutive positions attend to everything cached before them.
+        """
         # A split table cannot serve a row lookup without resharding the result through one
         # device: gather the (compute-dtype) table whole first, as FSDP gathers any weight.
         x_BLD = jnp.take(constrain(self.embed[...], (None, None)), tokens_BL, axis=0)
         if self.spec.family == "gpt2":
             x_BLD = x_BLD + jnp.take(self.pos_embed[...], positions_BL, axis=0)
         x_BLD = constrain(x_BLD, RESIDUAL)
-        x_BLD = constrain(self.final_norm(self._scan_layers(x_BLD, positions_BL)), INNER)
+        if cache is None:
+            x_BLD = self._scan_layers(x_BLD, positions_BL)
+        else:
+            x_BLD, cache = self._scan_cached(x_BLD, positions_BL, cache)
+        x_BLD = constrain(self.final_norm(x_BLD), INNER)
         w_DV = self.embed[...].T if self.spec.tie_embeddings else self.head[...]
         logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, w_DV, preferred_element_type=jnp.float32)
-        return constrain(logits_BLV, ("batch", "act_length", "act_vocab"))
+        return constrain(logits_BLV, ("batch", "act_length", "act_vocab")), cache
 
     def _scan_layers(self, x_BLD, positions_BL):
         graphdef, stacked = nnx.split(self.layers)
 
         def run_layers(params, x_BLD, positions_BL):
             def layer(x, layer_params):
-                return nnx.merge(graphdef, layer_params)(x, positions_BL), None
+                return nnx.merge(graphdef, layer_params)(x, positions_BL)[0], None
 
             if self.spec.remat != "none":
                 layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.spec.remat], prevent_cse=False)
@@ -114,6 +126,16 @@ class Transformer(nnx.Module):
                                          self.spec.pipeline_microbatches, self.spec.pipeline_virtual_stages)
             return pipeline.gpipe(run_layers, stacked, x_BLD, positions_BL, layout.mesh, self.spec.pipeline_microbatches)
         return run_layers(stacked, x_BLD, positions_BL)
+
+    def _scan_cached(self, x_BLD, positions_BL, cache):
+        """The layer scan for decoding: each layer reads and returns its slice of the stacked cache."""
+        graphdef, stacked = nnx.split(self.layers)
+
+        def layer(x, params_and_cache):
+            layer_params, layer_cache = params_and_cache
+            return nnx.merge(graphdef, layer_params)(x, positions_BL, layer_cache)
+
+        return jax.lax.scan(layer, x_BLD, (stacked, cache))
 
 
 def _stacked_blocks(spec: ModelSpec, rngs: nnx.Rngs) -> Block:
@@ -133,7 +155,8 @@ def _axes_of(path, variable) -> tuple[str, ...]:
 
 
 class LanguageModel:
-    """Pure functions over a parameter dict: init(key) -> params, apply(params, tokens) -> logits."""
+    """Pure functions over a parameter dict: init(key) -> params, apply(params, tokens) -> logits,
+    and decoding with a KV cache: init_cache(batch, max_len, dtype), decode(params, tokens, positions, cache)."""
 
     def __init__(self, spec: ModelSpec):
         self.spec = spec
@@ -151,7 +174,21 @@ class LanguageModel:
         """Logits [B, L, V] in float32; params may be in any float dtype (the compute dtype)."""
         if positions_BL is None:
             positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
-        return nnx.merge(self.graphdef, params)(tokens_BL, positions_BL)
+        return nnx.merge(self.graphdef, params)(tokens_BL, positions_BL)[0]
+
+    def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> dict:
+        """An empty KV cache for `batch` sequences of up to `max_len` tokens: {'k', 'v'}, each
+        [layers, batch, max_len, kv_heads, head_dim] in `dtype` (the compute dtype)."""
+        s = self.spec
+        shape = (s.num_layers, batch, max_len, s.num_kv_heads, s.d_model // s.num_heads)
+        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+    def decode(self, params: dict, tokens_BL, positions_BL, cache: dict):
+        """(logits_BLV float32, new cache): the tokens' keys and values are written into the cache at
+        their positions (consecutive within a row, below max_len) and each token attends to every
+        cached position <= its own. One call can prefill a whole prompt; later calls add a token each.
+        The cache's slot s must hold position s, so fill it from position 0 without gaps."""
+        return nnx.merge(self.graphdef, params)(tokens_BL, positions_BL, cache)
 
 
 def _unflatten(flat: dict) -> dict:
