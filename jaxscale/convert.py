@@ -105,10 +105,7 @@ def _command(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0
-    return cli.run(lambda: _command(argv))
+    return cli.run(_command, USAGE, argv or ["--help"])
 
 
 if __name__ == "__main__":

@@ -178,20 +178,19 @@ def write(workdir: str | Path, compare: list[str | Path] = ()) -> list[Path]:
     return [workdir / "report.md", *paths]
 
 
+USAGE = "usage: python -m jaxscale.report --workdir=DIR [--compare DIR ...]"
+
+
 def main(argv: list[str] | None = None) -> int:
     from jaxscale import cli
 
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(__doc__.splitlines()[0].removeprefix("CLI: "))
-        return 0
-
-    def command() -> None:
+    def command(argv: list[str]) -> None:
         workdir, compare = _parse(argv)
         for path in write(workdir, compare):
             print(path)
 
-    return cli.run(command)
+    argv = sys.argv[1:] if argv is None else argv
+    return cli.run(command, USAGE, argv or ["--help"])
 
 
 def _parse(argv: list[str]) -> tuple[str, list[str]]:
@@ -206,9 +205,9 @@ def _parse(argv: list[str]) -> tuple[str, list[str]]:
         elif arg.startswith("--compare="):
             compare.append(arg.split("=", 1)[1])
         else:
-            raise ConfigError("flag", arg, "usage: python -m jaxscale.report --workdir=DIR [--compare DIR ...]")
+            raise ConfigError("flag", arg, USAGE)
     if not workdir:
-        raise ConfigError("--workdir", "", "missing; usage: python -m jaxscale.report --workdir=DIR [--compare DIR ...]")
+        raise ConfigError("--workdir", "", f"missing; {USAGE}")
     return workdir, compare
 
 

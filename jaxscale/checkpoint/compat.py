@@ -46,4 +46,5 @@ def check(saved: dict, current: dict, where: str, params_only: bool = False) -> 
 def describe_mesh(meta: dict) -> str:
     shape = " ".join(f"{k}={v}" for k, v in meta["mesh"].items() if v > 1) or "1 device"
     zero = f" zero_stage={meta['zero_stage']}" if meta.get("zero_stage") else ""
-    return f"{shape}{zero} ({meta['devices']} devices, {meta['processes']} processes)"
+    processes = meta["processes"]
+    return f"{shape}{zero} ({meta['devices']} devices, {processes} process{'es' if processes > 1 else ''})"
