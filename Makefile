@@ -18,8 +18,10 @@ train: $(STAMP)
 
 # Two workers, one test file each at a time (module fixtures stay shared); compiling is
 # single-threaded, so two workers keep both cores busy. Compiled programs are cached per session.
+# Tests marked serial measure contention between processes and run alone afterwards.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial" tests
+	$(BIN)/python -m pytest -q -m serial tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -162,6 +162,7 @@ def test_dcn_multipliers_must_match_the_hosts():
     config_lib.validate(config, 8, granules=2)
 
 
+@pytest.mark.serial  # other tests' load on the cores would blur the contention it creates
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPU cores to slow one process down")
 def test_a_process_on_a_contended_core_is_reported_as_a_straggler(tmp_path):
     """Each process on its own core; once training runs, two busy loops share process 1's core."""
