@@ -85,6 +85,10 @@ def defaults() -> ml_collections.ConfigDict:
                                # (fine-tuning: fresh optimizer, step 0, data from the start)
         preemption_timeout_s=120.0,  # after SIGTERM/SIGINT, exit 1 if the final checkpoint has not committed by then
     )
+    c.offload = dict(
+        optimizer_state=False,   # keep Adam moments in pinned host memory between steps (ZeRO-Offload style)
+        params=False,            # also the float32 master parameters
+    )
     c.guard = dict(
         skip_nonfinite=True,   # a NaN/inf loss or gradient skips the update (inside the step; counted in metrics)
         spike_threshold=0.0,   # a loss this many std devs above the recent window's mean is a spike (0 = off)

@@ -30,6 +30,7 @@ from jaxscale.guard import GuardSpec
 from jaxscale.health import StragglerReport, Watchdog
 from jaxscale.mesh import granule_count
 from jaxscale.models import LanguageModel, model_from_config
+from jaxscale.offload import OffloadSpec, check_supported, on_device
 from jaxscale.optim import make_optimizer
 from jaxscale.preemption import PreemptionWatch
 from jaxscale.progress import ProgressDisplay
@@ -51,6 +52,7 @@ class Run:
     model: LanguageModel
     tx: object           # the optax optimizer
     guard: GuardSpec
+    offload: OffloadSpec
     data: Data
     state: state_lib.TrainState
     shardings: state_lib.TrainState
@@ -63,6 +65,12 @@ class Run:
     @property
     def batch_sharding(self) -> NamedSharding:
         return self.layout.batch_sharding()
+
+    def device_params(self) -> dict:
+        """The parameters in device memory (a copy when they are offloaded to the host)."""
+        if not self.offload.params:
+            return self.state.params
+        return jax.jit(lambda p: on_device(p, self.shardings.params))(self.state.params)
 
 
 def _peak(config) -> float | None:
@@ -78,17 +86,19 @@ def setup(config, devices=None, init: bool = True) -> Run:
     layout, notes = layout_from_config(config, devices)
     model, model_notes = model_from_config(config, jax.default_backend())
     tx, schedule = make_optimizer(config.optim, config.train.steps)
-    guard = GuardSpec.from_config(config.guard)
+    guard, offload = GuardSpec.from_config(config.guard), OffloadSpec.from_config(config.offload)
+    check_supported(offload, devices)
     data = make_data(config, layout.batch_sharding())
     if init:
-        state, shardings = state_lib.init(model, tx, config.train.seed, layout, guard)
+        state, shardings = state_lib.init(model, tx, config.train.seed, layout, guard, offload=offload)
     else:
-        state, shardings = state_lib.abstract(model, tx, layout, guard)
+        state, shardings = state_lib.abstract(model, tx, layout, guard, offload)
     dtype = compute_dtype(config.model.dtype)
     n = metrics_lib.non_embedding_params(state.params)
     step = jit_train_step(model, tx, schedule, dtype, config.train.grad_accum_steps, layout, shardings,
                           state_lib.grad_shardings(model, layout), guard)
-    return Run(config=config, layout=layout, notes=notes + model_notes, model=model, tx=tx, guard=guard, data=data,
+    return Run(config=config, layout=layout, notes=notes + model_notes, model=model, tx=tx, guard=guard,
+               offload=offload, data=data,
                state=state, shardings=shardings, train_step=step,
                eval_step=jit_eval_step(model, dtype, layout, shardings.params),
                flops_per_token=metrics_lib.flops_per_token(model.spec, n, config.train.seq_len),

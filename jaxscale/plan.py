@@ -22,6 +22,7 @@ from jaxscale import profile
 from jaxscale import state as state_lib
 from jaxscale.guard import GuardSpec
 from jaxscale.mesh import granule_count
+from jaxscale.offload import HOST, OffloadSpec
 from jaxscale.models import model_from_config
 from jaxscale.optim import make_optimizer
 from jaxscale.parallel.pipeline import bubble_fraction
@@ -33,11 +34,13 @@ USAGE = ("usage: python -m jaxscale.plan --config=PATH [--config.section.key=val
 GIB = 2**30
 
 
-def shard_bytes(tree) -> int:
-    """Bytes one device holds of a tree of sharded ShapeDtypeStructs/arrays (the first device's shard)."""
+def shard_bytes(tree, memory_kind: str | None = None) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs/arrays (the first device's
+    shard); only the leaves in `memory_kind` memory when given."""
     def one(x):
         return math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
-    return sum(one(x) for x in jax.tree.leaves(tree))
+    return sum(one(x) for x in jax.tree.leaves(tree)
+               if memory_kind is None or x.sharding.memory_kind == memory_kind)
 
 
 def expected_bytes(layer_params: int, other_params: int, layout: Layout) -> dict[str, float]:
@@ -75,7 +78,7 @@ def compile_plan(config, platform: str, devices=None):
     model, notes = _planned_model(config, platform)
     tx, schedule = make_optimizer(config.optim, config.train.steps)
     guard = GuardSpec.from_config(config.guard)
-    state, shardings = state_lib.abstract(model, tx, layout, guard)
+    state, shardings = state_lib.abstract(model, tx, layout, guard, OffloadSpec.from_config(config.offload))
     grads = state_lib.grad_shardings(model, layout)
     step = jit_train_step(model, tx, schedule, compute_dtype(config.model.dtype, platform),
                           config.train.grad_accum_steps, layout, shardings, grads, guard)
@@ -112,6 +115,7 @@ def make_plan(config, platform: str | None = None, devices=None) -> dict:
             "platform": platform, "compute_dtype": str(compute_dtype(config.model.dtype, platform)),
             "num_params": n_params, "compile_s": round(compile_s, 2), "per_device_bytes": per_device,
             "argument_bytes": memory.argument_size_in_bytes,
+            "host_bytes": {"params": shard_bytes(state.params, HOST), "opt_state": shard_bytes(state.opt_state, HOST)},
             "expected_bytes": expected_bytes(n_layers, n_params - n_layers, layout),
             "collectives": profile.collective_stats(compiled.as_text()), "notes": notes}
 
@@ -123,7 +127,8 @@ def advice(plan: dict, config, limit_bytes: float) -> list[str]:
     lines = [f"does not fit: {_size(plan['per_device_bytes']['total'])} per device > {_size(limit_bytes)}; "
              f"biggest: " + ", ".join(f"{k} {_size(parts[k])}" for k in order[:3])]
     help_for = {
-        "opt_state": f"raise zero_stage (now {config.zero_stage}) or mesh.fsdp to split optimizer state",
+        "opt_state": f"raise zero_stage (now {config.zero_stage}) or mesh.fsdp to split optimizer state, or "
+                     "offload.optimizer_state=True to keep it in host memory",
         "params": "zero_stage=3 or a larger mesh.fsdp / mesh.tensor splits parameters",
         "grads": "zero_stage>=2 or a larger mesh.fsdp splits gradients",
         "temp": f"model.remat=full (now {config.model.remat}), a larger train.grad_accum_steps "
@@ -149,6 +154,10 @@ def table(plan: dict) -> str:
         expected = plan["expected_bytes"].get(key)
         shown = "" if expected is None else f"{_size(expected):>14}"
         rows.append(f"{key:<12}{_size(plan['per_device_bytes'][key]):>14}{shown}")
+    host = plan.get("host_bytes", {})
+    if any(host.values()):
+        rows.append("in pinned host memory (offloaded; XLA:CPU counts it as device memory above): "
+                    + ", ".join(f"{k} {_size(v)}" for k, v in host.items() if v))
     pipe = plan["pipeline"]
     if pipe["stages"] > 1:
         rows.append(f"pipeline: {pipe['schedule']}, {pipe['stages']} stages x {pipe['virtual_stages']} virtual x "

@@ -77,7 +77,7 @@ def apply(start: Start, run, say: Callable[[str], None]) -> tuple[int, dict]:
         return _fresh(run, say)
     if start.kind == "init":
         run.state, _ = state_lib.init(run.model, run.tx, run.config.train.seed, run.layout, run.guard,
-                                      params=restored.state["params"])
+                                      params=restored.state["params"], offload=run.offload)
         say(f"initialised parameters from {start.checkpointer.directory}/{restored.step}; "
             "fresh optimizer state, step 0")
         return 0, {}
@@ -88,7 +88,8 @@ def apply(start: Start, run, say: Callable[[str], None]) -> tuple[int, dict]:
 
 def _fresh(run, say) -> tuple[int, dict]:
     say("no usable checkpoint left; starting from scratch")
-    run.state, _ = state_lib.init(run.model, run.tx, run.config.train.seed, run.layout, run.guard)
+    run.state, _ = state_lib.init(run.model, run.tx, run.config.train.seed, run.layout, run.guard,
+                                  offload=run.offload)
     return 0, {}
 
 

@@ -21,6 +21,7 @@ from jaxscale import guard as guard_lib
 from jaxscale import sharding as shd
 from jaxscale.guard import GuardSpec
 from jaxscale.models import LanguageModel
+from jaxscale.offload import OffloadSpec, to_host
 
 
 @jax.tree_util.register_dataclass
@@ -62,10 +63,12 @@ def _shapes(model: LanguageModel, tx: optax.GradientTransformation, guard: Guard
 
 
 def _shardings_of(shapes: TrainState, model: LanguageModel, tx: optax.GradientTransformation,
-                  layout: shd.Layout) -> TrainState:
+                  layout: shd.Layout, offload: OffloadSpec) -> TrainState:
     replicated = NamedSharding(layout.mesh, P())
     params = shd.named(layout.mesh, param_specs(model, layout, layout.zero_stage >= 3))
     moments = shd.named(layout.mesh, param_specs(model, layout, layout.zero_stage >= 1))
+    params = to_host(params) if offload.params else params
+    moments = to_host(moments) if offload.optimizer_state else moments
     opt_state = optax.tree_map_params(tx, lambda _, s: s, shapes.opt_state, moments,
                                       transform_non_params=lambda _: replicated)
     return TrainState(step=replicated, params=params, opt_state=opt_state, rng=replicated,
@@ -73,9 +76,10 @@ def _shardings_of(shapes: TrainState, model: LanguageModel, tx: optax.GradientTr
 
 
 def shardings(model: LanguageModel, tx: optax.GradientTransformation, layout: shd.Layout,
-              guard: GuardSpec = GuardSpec()) -> TrainState:
-    """NamedShardings for every leaf of the state, from the model's logical axes and the ZeRO stage."""
-    return _shardings_of(_shapes(model, tx, guard), model, tx, layout)
+              guard: GuardSpec = GuardSpec(), offload: OffloadSpec = OffloadSpec()) -> TrainState:
+    """NamedShardings for every leaf of the state, from the model's logical axes and the ZeRO
+    stage; offloaded leaves in pinned host memory."""
+    return _shardings_of(_shapes(model, tx, guard), model, tx, layout, offload)
 
 
 def with_shardings(shapes, shardings_tree):
@@ -84,19 +88,20 @@ def with_shardings(shapes, shardings_tree):
 
 
 def abstract(model: LanguageModel, tx: optax.GradientTransformation, layout: shd.Layout,
-             guard: GuardSpec = GuardSpec()) -> tuple[TrainState, TrainState]:
+             guard: GuardSpec = GuardSpec(), offload: OffloadSpec = OffloadSpec()) -> tuple[TrainState, TrainState]:
     """(the state as sharded ShapeDtypeStructs, its shardings): for compiling, planning and
     restoring without allocating."""
     shapes = _shapes(model, tx, guard)
-    out = _shardings_of(shapes, model, tx, layout)
+    out = _shardings_of(shapes, model, tx, layout, offload)
     return with_shardings(shapes, out), out
 
 
 def init(model: LanguageModel, tx: optax.GradientTransformation, seed: int, layout: shd.Layout,
-         guard: GuardSpec = GuardSpec(), params: dict | None = None) -> tuple[TrainState, TrainState]:
+         guard: GuardSpec = GuardSpec(), params: dict | None = None,
+         offload: OffloadSpec = OffloadSpec()) -> tuple[TrainState, TrainState]:
     """(state, its shardings): compiled once, each device materialises only its shards. Given
     `params` (already on their shardings) they are donated into the state, not copied."""
-    out = shardings(model, tx, layout, guard)
+    out = shardings(model, tx, layout, guard, offload)
     make = functools.partial(create, model, tx, seed, guard)
     state = jax.jit(make, out_shardings=out, donate_argnums=0)(params)
     return state, out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -12,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxscale import guard as guard_lib
 from jaxscale.guard import GuardSpec
 from jaxscale.models import LanguageModel
+from jaxscale.offload import has_host, on_device
 from jaxscale.models.precision import compute_dtype  # noqa: F401  (re-exported for callers)
 from jaxscale.parallel import microbatch
 from jaxscale.parallel.context import AXIS as SEQUENCE, zigzag_order
@@ -80,8 +82,12 @@ def loss_and_grads(params, batch: Batch, model, dtype, accum_steps: int, layout:
 
 
 def train_step(state: TrainState, batch: Batch, *, model, tx, schedule, dtype, accum_steps, layout, grad_shardings,
-               guard: GuardSpec = GuardSpec()):
-    """One optimizer update, unless the guard rejects it. Returns the new state and scalar metrics."""
+               guard: GuardSpec = GuardSpec(), placement: TrainState | None = None):
+    """One optimizer update, unless the guard rejects it. Returns the new state and scalar metrics.
+    `placement` (the state's shardings, when some live in host memory) brings them to the devices."""
+    if placement is not None:
+        state = dataclasses.replace(state, params=on_device(state.params, placement.params),
+                                    opt_state=on_device(state.opt_state, placement.opt_state))
     loss, grads = loss_and_grads(state.params, batch, model, dtype, accum_steps, layout)
     grads = jax.lax.with_sharding_constraint(grads, grad_shardings)  # ZeRO-2: reduce-scatter, not all-reduce
     grad_norm = optax.tree.norm(grads)
@@ -101,14 +107,17 @@ def jit_train_step(model, tx, schedule, dtype, accum_steps: int, layout: Layout,
                    state_shardings: TrainState, grad_shardings, guard: GuardSpec = GuardSpec()):
     """train_step jitted once with explicit shardings; the old state is donated."""
     step = functools.partial(train_step, model=model, tx=tx, schedule=schedule, dtype=dtype,
-                             accum_steps=accum_steps, layout=layout, grad_shardings=grad_shardings, guard=guard)
+                             accum_steps=accum_steps, layout=layout, grad_shardings=grad_shardings, guard=guard,
+                             placement=state_shardings if has_host(state_shardings) else None)
     replicated = NamedSharding(layout.mesh, P())
+    # Outputs go back where the inputs came from: offloaded state returns to host memory.
     return jax.jit(step, in_shardings=(state_shardings, layout.batch_sharding()),
                    out_shardings=(state_shardings, replicated), donate_argnums=0)
 
 
 def jit_eval_step(model, dtype, layout: Layout, params_shardings):
     """Mean validation loss of one batch."""
-    fn = functools.partial(loss_fn, model=model, dtype=dtype, layout=layout)
+    def fn(params, batch):
+        return loss_fn(on_device(params, params_shardings), batch, model=model, dtype=dtype, layout=layout)
     replicated = NamedSharding(layout.mesh, P())
     return jax.jit(fn, in_shardings=(params_shardings, layout.batch_sharding()), out_shardings=replicated)

@@ -113,7 +113,7 @@ class Trainer:
         tokens = tokens[None] if tokens.ndim == 1 else tokens
         dtype = compute_dtype(run.config.model.dtype)
         apply = jax.jit(lambda p, t: run.model.apply(jax.tree.map(lambda x: x.astype(dtype), p), t))
-        return np.asarray(apply(run.state.params, tokens))
+        return np.asarray(apply(run.device_params(), tokens))
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 100, temperature: float = 0.0,
                  top_k: int = 0, seed: int = 0) -> str:
@@ -124,7 +124,7 @@ class Trainer:
         run = self._session.run
         tokenizer = run.data.tokenizer
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        new = sampling.generate(run.model, run.state.params, ids, max_new_tokens, temperature=temperature,
+        new = sampling.generate(run.model, run.device_params(), ids, max_new_tokens, temperature=temperature,
                                 top_k=top_k, seed=seed, dtype=compute_dtype(run.config.model.dtype))
         return tokenizer.decode(new)
 

@@ -73,7 +73,16 @@ def _check_gpu(out):
         assert r["mfu"] is None and r["device"] == "cpu"  # no known peak on CPU
 
 
+def _check_offload(out):
+    rows = {r["mode"]: r for r in out["rows"]}
+    assert list(rows) == ["none", "optimizer_state", "optimizer_state+params"]
+    assert rows["none"]["host_bytes"] == 0 and rows["optimizer_state+params"]["device_bytes"] < 1024
+    assert rows["none"]["device_bytes"] == rows["optimizer_state"]["device_bytes"] + rows["optimizer_state"]["host_bytes"]
+    assert all(r["step_s"] > 0 for r in rows.values())
+
+
 BENCHMARKS = {  # file -> (extra arguments, check of its JSON)
+    "offload.py": ([], _check_offload),
     "gpu.py": ([], _check_gpu),
     "checkpoint.py": ([], _check_checkpoint),
     "collectives.py": (["--mesh=data=2,tensor=4"], _check_collectives),

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jaxscale.offload import DEVICE, HOST
 from jaxscale.sharding import add_axis
 
 _GOLDEN = np.uint32(0x9E3779B1)
@@ -54,8 +55,8 @@ def array_digest(x: jax.Array) -> jax.Array:
 
 
 def _spread(x) -> NamedSharding | None:
-    """A sharding that splits `x` over the mesh axes it is replicated on too, where a dimension
-    allows: every device then digests a different part (slicing a replica needs no
+    """A device-memory sharding that splits `x` over the mesh axes it is replicated on too, where
+    a dimension allows: every device then digests a different part (slicing a replica needs no
     communication) instead of all repeating the same work. None: leave it as it is."""
     sharding = getattr(x, "sharding", None)
     if not isinstance(sharding, NamedSharding):
@@ -63,13 +64,14 @@ def _spread(x) -> NamedSharding | None:
     spec = sharding.spec
     for axis in sharding.mesh.axis_names:
         spec = add_axis(spec, x.shape, axis, sharding.mesh)
-    return None if spec == sharding.spec else NamedSharding(sharding.mesh, spec)
+    on_host = sharding.memory_kind == HOST  # offloaded: digested on the devices
+    return None if spec == sharding.spec and not on_host else NamedSharding(sharding.mesh, spec, memory_kind=DEVICE)
 
 
 @functools.lru_cache(maxsize=16)
 def _digest_fn(spread: tuple, out_sharding):
     def leaf_digests(leaves):
-        return [array_digest(x if s is None else jax.lax.with_sharding_constraint(x, s)) for x, s in zip(leaves, spread)]
+        return [array_digest(x if s is None else jax.device_put(x, s)) for x, s in zip(leaves, spread)]
     return jax.jit(leaf_digests, out_shardings=out_sharding)
 
 
