@@ -15,13 +15,11 @@ from __future__ import annotations
 import _common  # noqa: I001  (first: puts this checkout's jaxscale on sys.path)
 
 import argparse
-import statistics
-import time
 
+import _steps
 import jax
 
 from jaxscale import config as config_lib
-from jaxscale import loop
 from jaxscale.offload import HOST
 from jaxscale.plan import shard_bytes
 
@@ -31,34 +29,20 @@ WIDE = ["model.d_model=512", "model.d_ff=2048", "model.num_heads=8", "model.num_
 SMOKE = ["model.d_model=64", "model.d_ff=128", "train.seq_len=32", "train.global_batch_size=8"]
 
 
-def _prepared(config, mode: dict):
+def _config(config, mode: dict):
     config = config.copy_and_resolve_references()
     config.offload.update(mode)
-    run = loop.setup(config)
-    compiled, _ = loop.compile_step(run)
-    return run, compiled, run.data.train_batches(0)
-
-
-def _time(run, compiled, batches, steps: int) -> float:
-    start = time.perf_counter()
-    for _ in range(steps):
-        run.state, metrics = compiled(run.state, next(batches))
-    jax.block_until_ready(metrics)
-    return (time.perf_counter() - start) / steps
+    return config
 
 
 def measure(config, rounds: int, steps: int) -> dict:
-    runs = {name: _prepared(config, mode) for name, mode in MODES.items()}
-    times = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, prepared in runs.items():
-            times[name].append(_time(*prepared, steps))
+    prepared = {name: _steps.stepper(_config(config, mode), steps) for name, mode in MODES.items()}
+    medians = _steps.interleaved({name: timed for name, (_, timed) in prepared.items()}, rounds)
     rows = []
-    for name, (run, _, _) in runs.items():
+    for name, (run, _) in prepared.items():
         state = (run.state.params, run.state.opt_state)
         host = shard_bytes(state, HOST)
-        rows.append({"mode": name, "step_s": statistics.median(times[name]), "host_bytes": host,
-                     "device_bytes": shard_bytes(state) - host})
+        rows.append({"mode": name, "step_s": medians[name], "host_bytes": host, "device_bytes": shard_bytes(state) - host})
     for row in rows:
         row["step_ratio"] = row["step_s"] / rows[0]["step_s"]
     return {"devices": jax.device_count(), "rounds": rounds, "steps": steps, "rows": rows}

@@ -17,6 +17,8 @@ import _common  # noqa: I001  (first: puts this checkout's jaxscale on sys.path)
 
 import argparse
 
+import _steps
+
 
 def _config(stages: int, count: int, batch: int, virtual: int, seq_len: int):
     from jaxscale import config as config_lib
@@ -28,39 +30,6 @@ def _config(stages: int, count: int, batch: int, virtual: int, seq_len: int):
         f"train.global_batch_size={batch}", f"train.seq_len={seq_len}", "data.source=synthetic",
         "metrics.progress=False", "tracking.writers=jsonl", "model.dtype=float32"])
     return config
-
-
-def _stepper(config):
-    """A function running one timed step of this config's compiled train step."""
-    import time
-
-    import jax
-
-    from jaxscale import loop
-
-    run = loop.setup(config)
-    compiled, _ = loop.compile_step(run)
-    batch, holder = next(run.data.train_batches(0)), [run.state]
-
-    def step() -> float:
-        start = time.perf_counter()
-        holder[0], metrics = compiled(holder[0], batch)
-        jax.block_until_ready(metrics)
-        return time.perf_counter() - start
-
-    step()  # warm-up
-    return step
-
-
-def _interleaved(steppers: dict, rounds: int) -> dict:
-    """Median step time per key, the keys taking turns so noise hits all alike."""
-    import statistics
-
-    times = {key: [] for key in steppers}
-    for _ in range(rounds):
-        for key, step in steppers.items():
-            times[key].append(step())
-    return {key: statistics.median(t) for key, t in times.items()}
 
 
 def _fit(times: dict[int, float]) -> dict:
@@ -88,7 +57,8 @@ def main() -> None:
 
     counts = [int(x) for x in args.microbatches.split(",")]
     batch, v, p = max(counts), args.virtual_stages, args.stages
-    times = _interleaved({m: _stepper(_config(p, m, batch, v, args.seq_len)) for m in counts}, args.steps)
+    times = _steps.interleaved({m: _steps.stepper(_config(p, m, batch, v, args.seq_len))[1] for m in counts},
+                                 args.steps)
     fit = {**_fit(times), "formula_ratio": (p - 1) / v}
     rows = [{"microbatches": m, "step_s": times[m], "idle_share": 1 - fit["work_s"] / times[m],
              "formula": bubble_fraction(p, m, v)} for m in counts]

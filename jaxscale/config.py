@@ -45,6 +45,16 @@ def defaults() -> ml_collections.ConfigDict:
             impl="auto",               # xla | cudnn | auto (cudnn where it runs, else xla)
             context_parallel="ring",   # ring | all_gather: attention when mesh.sequence > 1
         ),
+        moe=dict(                      # mixture of experts; its experts are split over mesh.expert
+            num_experts=0,             # experts per MoE layer; 0 = a dense model
+            top_k=2,                   # experts each token goes to (softmax router, float32)
+            capacity_factor=1.25,      # per sequence of L tokens each expert takes
+                                       # min(L, ceil(factor * L * top_k / num_experts)); the rest is dropped
+            every_n_layers=1,          # layers n, 2n, ... (from 1) are MoE, the others dense
+            d_ff=0,                    # expert hidden size; 0 = model.d_ff
+            aux_loss_weight=0.01,      # load-balancing loss (Switch/GShard) in the training loss
+            z_loss_weight=0.001,       # router z-loss (mean logsumexp(logits)^2) in the training loss
+        ),
     )
     c.mesh = {axis: 1 for axis in AXES}
     c.mesh.data = -1           # -1: the devices the other axes leave
@@ -264,18 +274,24 @@ def _check_model(m, seq_len: int) -> None:
 
 # Logical axis -> the config field holding that dimension's size.
 _DIMENSIONS = {"embed": "model.d_model", "heads": "model.num_heads", "kv_heads": "model.num_kv_heads",
-               "mlp": "model.d_ff", "vocab": "model.vocab_size", "layers": "model.num_layers"}
+               "mlp": "model.d_ff", "vocab": "model.vocab_size", "layers": "model.num_layers",
+               "experts": "model.moe.num_experts"}
 
 
 def _field(c, dotted: str):
-    section, key = dotted.split(".")
-    return c[section][key]
+    node = c
+    for key in dotted.split("."):
+        node = node[key]
+    return node
 
 
-def _check_rules(c, rules, sizes) -> None:
+def _check_rule_axes(rules) -> None:
     for name, axes in rules.items():
         for axis in axes:
             _require(axis in AXES, f"sharding.rules.{name}", ",".join(axes), f"'{axis}' is not a mesh axis; use {', '.join(AXES)}")
+
+
+def _check_rules(c, rules, sizes) -> None:
     for name, field in _DIMENSIONS.items():
         parts = math.prod(sizes[a] for a in rules[name])
         _require(_field(c, field) % parts == 0, field, _field(c, field),
@@ -307,17 +323,44 @@ def _check_pipeline(c, sizes) -> None:
              f"{p.microbatches * shards * c.train.grad_accum_steps}")
 
 
+def _check_moe(c, sizes, rules) -> None:
+    m, experts = c.model.moe, sizes["expert"]
+    _require(m.num_experts >= 0, "model.moe.num_experts", m.num_experts, "must be >= 0 (0 = a dense model)")
+    if not m.num_experts:
+        _require(experts == 1, "mesh.expert", experts, "expert parallelism splits the experts of MoE layers; set "
+                 f"model.moe.num_experts to a multiple of {experts}, or mesh.expert=1")
+        return
+    _require(1 <= m.top_k <= m.num_experts, "model.moe.top_k", m.top_k,
+             f"must be between 1 and model.moe.num_experts={m.num_experts}")
+    _require(m.capacity_factor > 0, "model.moe.capacity_factor", m.capacity_factor,
+             "must be > 0 (0, dropless, is not implemented); a factor >= num_experts/top_k never drops a token")
+    _require(m.every_n_layers >= 1 and c.model.num_layers % m.every_n_layers == 0, "model.moe.every_n_layers",
+             m.every_n_layers, f"must be >= 1 and divide model.num_layers={c.model.num_layers}")
+    for key in ("d_ff", "aux_loss_weight", "z_loss_weight"):
+        _require(m[key] >= 0, f"model.moe.{key}", m[key], "must be >= 0" + (" (0 = model.d_ff)" if key == "d_ff" else ""))
+    _require(sizes["pipeline"] == 1, "mesh.pipeline", sizes["pipeline"], "pipeline parallelism does not run "
+             "mixture-of-experts layers; set mesh.pipeline=1 (or model.moe.num_experts=0)")
+    hidden, parts = m.d_ff or c.model.d_ff, math.prod(sizes[a] for a in rules["mlp"])
+    _require(hidden % parts == 0, "model.moe.d_ff", m.d_ff, f"the experts' hidden size ({hidden}) is split {parts} "
+             f"ways ({'x'.join(f'{a}={sizes[a]}' for a in rules['mlp'] if sizes[a] > 1)}); use a multiple of {parts}")
+    _require(experts == 1 or "expert" in rules["batch"], "sharding.rules.batch", ",".join(rules["batch"]),
+             f"mesh.expert={experts} exchanges tokens within each expert group, so the batch must be split "
+             "over expert too; add expert")
+
+
 def _check_parallelism(c, device_count: int, granules: int) -> None:
     _require(c.mesh_dcn.tensor == 1, "mesh_dcn.tensor", c.mesh_dcn.tensor,
              "tensor parallelism communicates in every layer; keep it inside a host (mesh_dcn.tensor=1)")
     sizes = axis_sizes(c, device_count, granules)
-    _require(sizes["expert"] == 1, "mesh.expert", sizes["expert"], "is not supported yet (data, pipeline, fsdp, sequence and tensor are); set it to 1")
+    rules = rules_from_config(c, sizes)[0]
+    _check_rule_axes(rules)
+    _check_moe(c, sizes, rules)
     _check_pipeline(c, sizes)
     chunks = 2 * sizes["sequence"]
     _require(sizes["sequence"] == 1 or c.train.seq_len % chunks == 0, "train.seq_len", c.train.seq_len,
              f"context parallelism lays the sequence out in {chunks} chunks (2 x mesh.sequence); use a multiple of {chunks}")
     _require(0 <= c.zero_stage <= 3, "zero_stage", c.zero_stage, "choose 0, 1, 2 or 3")
-    _check_rules(c, rules_from_config(c, sizes)[0], sizes)
+    _check_rules(c, rules, sizes)
     shards = math.prod(sizes[axis] for axis in BATCH_AXES)
     t = c.train
     _require(t.global_batch_size % t.grad_accum_steps == 0, "train.grad_accum_steps", t.grad_accum_steps,
@@ -325,7 +368,7 @@ def _check_parallelism(c, device_count: int, granules: int) -> None:
     micro = t.global_batch_size // t.grad_accum_steps
     _require(micro % shards == 0, "train.global_batch_size", t.global_batch_size,
              f"each microbatch ({micro} = {t.global_batch_size}/{t.grad_accum_steps} accumulation steps) must divide "
-             f"evenly over {shards} batch shards (mesh data x fsdp); use a multiple of {shards * t.grad_accum_steps}")
+             f"evenly over {shards} batch shards (mesh data x fsdp x expert); use a multiple of {shards * t.grad_accum_steps}")
 
 
 def validate(config, device_count: int, granules: int = 1) -> None:

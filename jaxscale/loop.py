@@ -94,7 +94,7 @@ def setup(config, devices=None, init: bool = True) -> Run:
     else:
         state, shardings = state_lib.abstract(model, tx, layout, guard, offload)
     dtype = compute_dtype(config.model.dtype)
-    n = metrics_lib.non_embedding_params(state.params)
+    n = metrics_lib.active_params(state.params, model.spec)
     step = jit_train_step(model, tx, schedule, dtype, config.train.grad_accum_steps, layout, shardings,
                           state_lib.grad_shardings(model, layout), guard)
     return Run(config=config, layout=layout, notes=notes + model_notes, model=model, tx=tx, guard=guard,
@@ -154,7 +154,8 @@ def _record(run: Run, step: int, metrics: dict, timing: dict, batches_seen: int)
             "lr": float(metrics["lr"]), "tokens": batches_seen * int(metrics["tokens"]),
             "tokens_per_sec": tokens_per_sec, **timing,
             "mfu": metrics_lib.mfu(tokens_per_sec, run.flops_per_token, run.layout.mesh.size, run.peak_tflops),
-            "nonfinite_skips": int(metrics["nonfinite_skips"]), "spike_skips": int(metrics["spike_skips"])}
+            "nonfinite_skips": int(metrics["nonfinite_skips"]), "spike_skips": int(metrics["spike_skips"]),
+            **{name: float(metrics[name]) for name in run.model.stat_names}}
 
 
 @dataclasses.dataclass

@@ -17,8 +17,9 @@ from jaxscale.errors import ConfigError
 
 # Outer -> inner: axes that talk least sit outermost so they can cross slow links.
 AXES = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
-# Axes whose devices each hold a different slice of the batch.
-BATCH_AXES = ("data", "fsdp")
+# Axes whose devices each hold a different slice of the batch. `expert` splits the experts of
+# MoE layers and the batch everywhere else; MoE layers exchange tokens within an expert group.
+BATCH_AXES = ("data", "fsdp", "expert")
 
 
 def resolve_shape(mesh_cfg, device_count: int, field: str = "mesh") -> dict[str, int]:

@@ -7,6 +7,8 @@ import math
 
 import jax
 
+from jaxscale.models.moe import expert_param_count
+
 # Dense bf16 peak TFLOP/s per device (no sparsity), matched against jax's device_kind in order.
 PEAK_TFLOPS = (
     ("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("H800", 989.0), ("GH200", 989.0),
@@ -29,6 +31,16 @@ def non_embedding_params(params) -> int:
     """N in 6N: every parameter except the token and position embedding tables."""
     return sum(math.prod(v.shape) for k, v in params.items() if k not in EMBEDDING_PARAMS
                for v in jax.tree.leaves(v))
+
+
+def active_params(params, spec) -> int:
+    """N for a token: non-embedding parameters, counting of the expert weights only the top_k of
+    num_experts each token uses (the dense-equivalent N of an MoE model)."""
+    n = non_embedding_params(params)
+    if not spec.moe.num_experts:
+        return n
+    experts = expert_param_count(params)
+    return n - experts + experts * spec.moe.top_k // spec.moe.num_experts
 
 
 def flops_per_token(spec, n_params: int, seq_len: int) -> float:

@@ -22,8 +22,9 @@ from jaxscale import profile
 from jaxscale import state as state_lib
 from jaxscale.guard import GuardSpec
 from jaxscale.mesh import granule_count
-from jaxscale.offload import HOST, OffloadSpec
 from jaxscale.models import model_from_config
+from jaxscale.models.moe import expert_param_count
+from jaxscale.offload import HOST, OffloadSpec
 from jaxscale.optim import make_optimizer
 from jaxscale.parallel.pipeline import bubble_fraction
 from jaxscale.sharding import Layout, layout_from_config
@@ -43,17 +44,19 @@ def shard_bytes(tree, memory_kind: str | None = None) -> int:
                if memory_kind is None or x.sharding.memory_kind == memory_kind)
 
 
-def expected_bytes(layer_params: int, other_params: int, layout: Layout) -> dict[str, float]:
+def expected_bytes(layer_params: int, other_params: int, layout: Layout, expert_params: int = 0) -> dict[str, float]:
     """The arithmetic: params 4N, grads 4N, Adam 8N, each divided by the devices that split it.
 
-    `fsdp` and `tensor` split everything, `pipeline` the stacked layers; ZeRO adds `data` for
-    optimizer state (stage >= 1), gradients (>= 2) and parameters (3).
+    `fsdp` and `tensor` split everything, `pipeline` the stacked layers, `expert` the expert
+    weights (`expert_params` of the layer parameters); ZeRO adds `data` for optimizer state
+    (stage >= 1), gradients (>= 2) and parameters (3).
     """
     shape, zero = layout.mesh.shape, layout.zero_stage
+    layers = layer_params - expert_params + expert_params / shape["expert"]
 
     def per_device(bytes_per_param: int, stage: int) -> float:
         split = shape["fsdp"] * shape["tensor"] * (shape["data"] if zero >= stage else 1)
-        return bytes_per_param * (layer_params / shape["pipeline"] + other_params) / split
+        return bytes_per_param * (layers / shape["pipeline"] + other_params) / split
 
     return {"params": per_device(4, 3), "grads": per_device(4, 2), "opt_state": per_device(8, 1)}
 
@@ -116,7 +119,7 @@ def make_plan(config, platform: str | None = None, devices=None) -> dict:
             "num_params": n_params, "compile_s": round(compile_s, 2), "per_device_bytes": per_device,
             "argument_bytes": memory.argument_size_in_bytes,
             "host_bytes": {"params": shard_bytes(state.params, HOST), "opt_state": shard_bytes(state.opt_state, HOST)},
-            "expected_bytes": expected_bytes(n_layers, n_params - n_layers, layout),
+            "expected_bytes": expected_bytes(n_layers, n_params - n_layers, layout, expert_param_count(state.params)),
             "collectives": profile.collective_stats(compiled.as_text()), "notes": notes}
 
 

@@ -32,6 +32,8 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "vocab": ("tensor",),
     "layers": ("pipeline",),
     "position": (),
+    "experts": ("expert",),  # the expert dimension of expert weights (mixture of experts)
+    "router": (),            # the router's output dimension (a score per expert): small, never split
     # activations
     "batch": BATCH_AXES,
     "length": ("sequence",),

@@ -81,7 +81,18 @@ def _check_offload(out):
     assert all(r["step_s"] > 0 for r in rows.values())
 
 
+def _check_moe(out):
+    rows = {r["layout"]: r for r in out["rows"]}
+    assert list(rows) == ["dense, data", "moe, expert=2"]  # --smoke: two rows of a 2-layer model
+    dense, moe = rows["dense, data"], rows["moe, expert=2"]
+    assert moe["mesh"]["expert"] == 2 and moe["mesh"]["data"] == 4
+    assert dense["params"] == dense["active_params"] < moe["active_params"] < moe["params"]
+    assert moe["active_params"] - dense["active_params"] == 128 * 8  # the router: d_model x experts, 1 MoE layer
+    assert all(r["step_s"] > 0 for r in rows.values()) and dense["step_ratio"] == 1.0
+
+
 BENCHMARKS = {  # file -> (extra arguments, check of its JSON)
+    "moe.py": ([], _check_moe),
     "offload.py": ([], _check_offload),
     "gpu.py": ([], _check_gpu),
     "checkpoint.py": ([], _check_checkpoint),

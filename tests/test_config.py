@@ -39,7 +39,6 @@ def test_overrides_parse_types():
     (["model.tie_embeddings=3"], "model.tie_embeddings", "expected bool"),
     (["mesh.data=3"], "mesh.data", "8 are available"),
     (["mesh.data=-1", "mesh.tensor=-1"], "mesh.tensor", "only one axis may be -1"),
-    (["mesh.expert=2"], "mesh.expert", "not supported"),
     (["mesh.pipeline=2", "model.num_layers=3"], "model.num_layers", "multiple of 2"),
     (["mesh.pipeline=4", "pipeline.microbatches=2"], "pipeline.microbatches", "at least 4"),
     (["mesh.pipeline=2", "pipeline.microbatches=3", "train.global_batch_size=16"], "pipeline.microbatches",

@@ -24,8 +24,8 @@ def test_rules_drop_size_one_axes_and_reuse():
 
 
 def test_unmatched_axis_names_the_parameter():
-    with pytest.raises(ValueError, match=r"\['layers'\]\['w'\].*'experts'"):
-        tree_specs(make_layout(data=8), {"layers": {"w": ("experts", "embed")}})
+    with pytest.raises(ValueError, match=r"\['layers'\]\['w'\].*'widgets'"):
+        tree_specs(make_layout(data=8), {"layers": {"w": ("widgets", "embed")}})
 
 
 def test_add_axis_picks_a_divisible_dimension():

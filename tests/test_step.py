@@ -105,6 +105,14 @@ def test_gpipe_equals_one_device(deep_reference, optim_cfg, sizes):
     _assert_same(_run(_layout(spec=DEEP, **sizes), 1, optim_cfg, steps=3, spec=DEEP), deep_reference, rtol=1e-5)
 
 
+def test_bfloat16_pipeline_compiles_on_cpu_and_matches(optim_cfg):
+    """bf16 compute through GPipe: XLA:CPU's all-reduce promotion pass used to abort the process
+    on this program; it now runs and gives the unpipelined bf16 loss and grad norm."""
+    one = _run(_layout(1, spec=DEEP), 1, optim_cfg, steps=1, dtype=jnp.bfloat16, spec=DEEP)
+    piped = _run(_layout(data=2, pipeline=2, spec=DEEP), 1, optim_cfg, steps=1, dtype=jnp.bfloat16, spec=DEEP)
+    _assert_same(piped, one, rtol=1e-2, params=False)
+
+
 DEEPER = ModelSpec(**{**SPEC.__dict__, "num_layers": 8, "pipeline_microbatches": 4, "pipeline_virtual_stages": 2})
 
 

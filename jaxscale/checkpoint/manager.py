@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import shutil
+import threading
+import time
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +31,7 @@ from jaxscale.errors import RunError
 
 CORRUPT_DIR = "checkpoints.corrupt"  # beside the checkpoints directory: steps that failed their check
 JSON_ITEMS = ("data", "meta", "config")  # beside `state` in every step
+WRITER_GRACE_S = 30.0  # after a failed save, how long the other writers may take to stop
 
 
 class CorruptCheckpoint(Exception):
@@ -164,6 +167,7 @@ class Checkpointer:
                 return
             self._failed = True
             step, self._pending = self._pending, None
+            _let_writers_finish(WRITER_GRACE_S)  # their errors are logged before ours, not after it
             self._remove_unfinished(step)
             latest = self.latest_step()
             kept = f"step {latest} is the latest intact checkpoint" if latest is not None else "no checkpoint is intact"
@@ -260,3 +264,12 @@ class Checkpointer:
             self.wait()
         finally:
             self._manager.close()
+
+
+def _let_writers_finish(grace_s: float) -> None:
+    """Wait up to grace_s for Orbax's background writer threads: after one of them fails, the
+    others may still be writing (and will log their own failures) into the step being removed."""
+    deadline = time.monotonic() + grace_s
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and type(thread).__module__.startswith("orbax."):
+            thread.join(max(0.0, deadline - time.monotonic()))

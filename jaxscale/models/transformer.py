@@ -14,6 +14,7 @@ from flax import nnx
 
 from jaxscale.models.layers import (AXES_KEY, INNER, RESIDUAL, Attention, GeluMLP, LayerNorm, RMSNorm,
                                     SwiGLU, normal)
+from jaxscale.models.moe import STATS, MoE, MoESpec
 from jaxscale.parallel import pipeline
 from jaxscale.sharding import active_layout, constrain
 
@@ -44,11 +45,14 @@ class ModelSpec:
     context_parallel: str = "ring"    # ring | all_gather, used when the mesh splits `sequence`
     pipeline_microbatches: int = 1    # microbatches in flight when the mesh splits `pipeline`
     pipeline_virtual_stages: int = 1  # layer chunks per device: 1 = GPipe, >1 = circular schedule
+    moe: MoESpec = MoESpec()          # mixture of experts (moe.num_experts 0: every MLP dense)
 
     @classmethod
     def from_config(cls, model_cfg, attention_impl: str = "xla", pipeline_cfg=None) -> "ModelSpec":
         names = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in model_cfg.items() if k in names}
+        values = {k: v for k, v in model_cfg.items() if k in names and k != "moe"}
+        if "moe" in model_cfg:
+            values["moe"] = MoESpec(**model_cfg.moe.to_dict())
         pipe = {} if pipeline_cfg is None else {"pipeline_microbatches": pipeline_cfg.microbatches,
                                                 "pipeline_virtual_stages": pipeline_cfg.virtual_stages}
         return cls(**values, attention_impl=attention_impl, context_parallel=model_cfg.attention.context_parallel, **pipe)
@@ -61,18 +65,49 @@ def _norm(spec: ModelSpec):
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, spec: ModelSpec, rngs: nnx.Rngs):
+    def __init__(self, spec: ModelSpec, rngs: nnx.Rngs, moe: bool = False):
         self.attn_norm, self.mlp_norm = _norm(spec), _norm(spec)
         self.attn = Attention(spec, rngs)
-        self.mlp = SwiGLU(spec, rngs) if spec.family == "llama" else GeluMLP(spec, rngs)
+        self.mlp = MoE(spec, rngs) if moe else SwiGLU(spec, rngs) if spec.family == "llama" else GeluMLP(spec, rngs)
 
-    def __call__(self, x_BLD, positions_BL, cache=None):
-        """(x_BLD, this layer's updated KV cache, or None without one: see Attention)."""
+    def _attend(self, x_BLD, positions_BL, cache):
         # Norms run on the residual layout (split along length in sequence-parallel mode); their
         # outputs are gathered to the tensor-parallel layout that attention and the MLP need.
         attn_BLD, cache = self.attn(constrain(self.attn_norm(x_BLD), INNER), positions_BL, cache)
-        x_BLD = constrain(x_BLD + attn_BLD, RESIDUAL)
+        return constrain(x_BLD + attn_BLD, RESIDUAL), cache
+
+    def __call__(self, x_BLD, positions_BL, cache=None):
+        """(x_BLD, this layer's updated KV cache, or None without one: see Attention)."""
+        x_BLD, cache = self._attend(x_BLD, positions_BL, cache)
         return constrain(x_BLD + self.mlp(constrain(self.mlp_norm(x_BLD), INNER)), RESIDUAL), cache
+
+
+class MoEBlock(Block):
+    """A block whose MLP is a mixture of experts; also returns the router's statistics."""
+
+    def __init__(self, spec: ModelSpec, rngs: nnx.Rngs):
+        super().__init__(spec, rngs, moe=True)
+
+    def __call__(self, x_BLD, positions_BL, cache=None):
+        """(x_BLD, updated KV cache or None, {name: scalar} router statistics)."""
+        x_BLD, cache = self._attend(x_BLD, positions_BL, cache)
+        out_BLD, stats = self.mlp(constrain(self.mlp_norm(x_BLD), INNER))
+        return constrain(x_BLD + out_BLD, RESIDUAL), cache, stats
+
+
+class MoEStacks(nnx.Module):
+    """An MoE model's layers as groups of moe.every_n_layers: n-1 dense blocks, then an MoE block.
+
+    Two stacks, each with a leading 'layers' dimension: `dense` ([groups*(n-1), ...], absent when
+    n = 1) and `moe` ([groups, ...]); group g is dense layers g*(n-1) ... g*(n-1)+n-2, then MoE layer g.
+    """
+
+    def __init__(self, spec: ModelSpec, rngs: nnx.Rngs):
+        n = spec.moe.every_n_layers
+        groups = spec.num_layers // n
+        if n > 1:
+            self.dense = _stacked(lambda r: Block(spec, r), groups * (n - 1), rngs)
+        self.moe = _stacked(lambda r: MoEBlock(spec, r), groups, rngs)
 
 
 class Transformer(nnx.Module):
@@ -81,13 +116,17 @@ class Transformer(nnx.Module):
         self.embed = normal(rngs, (spec.vocab_size, spec.d_model), ("vocab", "embed"), spec.init_std)
         if spec.family == "gpt2":
             self.pos_embed = normal(rngs, (spec.max_seq_len, spec.d_model), ("position", "embed"), spec.init_std)
-        self.layers = _stacked_blocks(spec, rngs)
+        if spec.moe.num_experts:
+            self.layers = MoEStacks(spec, rngs)
+        else:
+            self.layers = _stacked(lambda r: Block(spec, r), spec.num_layers, rngs)
         self.final_norm = _norm(spec)
         if not spec.tie_embeddings:
             self.head = normal(rngs, (spec.d_model, spec.vocab_size), ("embed", "vocab"), spec.init_std)
 
     def __call__(self, tokens_BL, positions_BL, cache=None):
-        """(logits_BLV float32, the updated KV cache, or None without one).
+        """(logits_BLV float32, the updated KV cache or None without one, the router statistics:
+        {} for a dense model, else STATS averaged over the MoE layers).
 
         Without a cache: the training forward (causal over the sequence; pipeline and context
         parallel under an active layout). With one (stacked {'k', 'v'}: [layers, B, S, K, E]):
@@ -99,14 +138,17 @@ class Transformer(nnx.Module):
         if self.spec.family == "gpt2":
             x_BLD = x_BLD + jnp.take(self.pos_embed[...], positions_BL, axis=0)
         x_BLD = constrain(x_BLD, RESIDUAL)
-        if cache is None:
+        stats = {}
+        if self.spec.moe.num_experts:
+            x_BLD, cache, stats = self._scan_groups(x_BLD, positions_BL, cache)
+        elif cache is None:
             x_BLD = self._scan_layers(x_BLD, positions_BL)
         else:
             x_BLD, cache = self._scan_cached(x_BLD, positions_BL, cache)
         x_BLD = constrain(self.final_norm(x_BLD), INNER)
         w_DV = self.embed[...].T if self.spec.tie_embeddings else self.head[...]
         logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, w_DV, preferred_element_type=jnp.float32)
-        return constrain(logits_BLV, ("batch", "act_length", "act_vocab")), cache
+        return constrain(logits_BLV, ("batch", "act_length", "act_vocab")), cache, stats
 
     def _scan_layers(self, x_BLD, positions_BL):
         graphdef, stacked = nnx.split(self.layers)
@@ -137,14 +179,49 @@ class Transformer(nnx.Module):
 
         return jax.lax.scan(layer, x_BLD, (stacked, cache))
 
+    def _scan_groups(self, x_BLD, positions_BL, cache=None):
+        """An MoE model's layers (see MoEStacks), scanned over groups: (x_BLD, the updated cache or
+        None, the router statistics averaged over the MoE layers). Remat, as set, per layer."""
+        n = self.spec.moe.every_n_layers
+        groups = self.spec.num_layers // n
+        moe_def, moe_params = nnx.split(self.layers.moe)
+        dense_def, dense_params = nnx.split(self.layers.dense) if n > 1 else (None, None)
+        dense_params = jax.tree.map(lambda p: p.reshape(groups, n - 1, *p.shape[1:]), dense_params)
+        caches = jax.tree.map(lambda c: c.reshape(groups, n, *c.shape[1:]), cache)
 
-def _stacked_blocks(spec: ModelSpec, rngs: nnx.Rngs) -> Block:
-    """num_layers blocks whose parameters carry a leading 'layers' dimension."""
+        def dense_layer(x, params_and_cache):
+            return nnx.merge(dense_def, params_and_cache[0])(x, positions_BL, params_and_cache[1])
 
-    @nnx.split_rngs(splits=spec.num_layers)
+        def moe_layer(x, params, layer_cache):
+            return nnx.merge(moe_def, params)(x, positions_BL, layer_cache)
+
+        if self.spec.remat != "none":
+            policy = REMAT_POLICIES[self.spec.remat]
+            dense_layer, moe_layer = (jax.checkpoint(f, policy=policy, prevent_cse=False) for f in (dense_layer, moe_layer))
+
+        def group(carry, xs):
+            x, totals = carry
+            dense_p, moe_p, group_cache = xs
+            head = jax.tree.map(lambda c: c[:n - 1], group_cache)
+            if n > 1:
+                x, head = jax.lax.scan(dense_layer, x, (dense_p, head))
+            x, tail, stats = moe_layer(x, moe_p, jax.tree.map(lambda c: c[n - 1], group_cache))
+            group_cache = jax.tree.map(lambda h, t: jnp.concatenate([h, t[None]]), head, tail)
+            return (x, jax.tree.map(jnp.add, totals, stats)), group_cache
+
+        zeros = {name: jnp.zeros((), jnp.float32) for name in STATS}
+        (x_BLD, totals), caches = jax.lax.scan(group, (x_BLD, zeros), (dense_params, moe_params, caches))
+        cache = jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), caches)
+        return x_BLD, cache, {name: total / groups for name, total in totals.items()}
+
+
+def _stacked(make_block, count: int, rngs: nnx.Rngs):
+    """`count` blocks made by make_block(rngs), their parameters stacked on a leading 'layers' dimension."""
+
+    @nnx.split_rngs(splits=count)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def make(rngs):
-        return Block(spec, rngs)
+        return make_block(rngs)
 
     return make(rngs)
 
@@ -172,9 +249,26 @@ class LanguageModel:
 
     def apply(self, params: dict, tokens_BL, positions_BL=None):
         """Logits [B, L, V] in float32; params may be in any float dtype (the compute dtype)."""
+        return self.apply_with_stats(params, tokens_BL, positions_BL)[0]
+
+    def apply_with_stats(self, params: dict, tokens_BL, positions_BL=None):
+        """(logits [B, L, V] float32, router statistics: {} for a dense model, else the float32
+        scalars moe.STATS averaged over the MoE layers)."""
         if positions_BL is None:
             positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
-        return nnx.merge(self.graphdef, params)(tokens_BL, positions_BL)[0]
+        logits_BLV, _, stats = nnx.merge(self.graphdef, params)(tokens_BL, positions_BL)
+        return logits_BLV, stats
+
+    @property
+    def stat_names(self) -> tuple[str, ...]:
+        """The names apply_with_stats returns statistics under."""
+        return STATS if self.spec.moe.num_experts else ()
+
+    def router_loss(self, stats: dict):
+        """What the router statistics add to the training loss: moe.aux_loss_weight x the load
+        balancing loss + moe.z_loss_weight x the router z-loss (0 for a dense model)."""
+        m = self.spec.moe
+        return m.aux_loss_weight * stats["moe_aux_loss"] + m.z_loss_weight * stats["moe_z_loss"] if stats else 0.0
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> dict:
         """An empty KV cache for `batch` sequences of up to `max_len` tokens: {'k', 'v'}, each
@@ -188,7 +282,7 @@ class LanguageModel:
         their positions (consecutive within a row, below max_len) and each token attends to every
         cached position <= its own. One call can prefill a whole prompt; later calls add a token each.
         The cache's slot s must hold position s, so fill it from position 0 without gaps."""
-        return nnx.merge(self.graphdef, params)(tokens_BL, positions_BL, cache)
+        return nnx.merge(self.graphdef, params)(tokens_BL, positions_BL, cache)[:2]
 
 
 def _unflatten(flat: dict) -> dict:

@@ -42,7 +42,7 @@ def _schedule(stage_fn, stages: int, count: int):
 
         start = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs))
         (_, outputs), _ = jax.lax.scan(tick, start, jnp.arange(count + stages - 1))
-        return jax.lax.psum(outputs, AXIS)
+        return outputs
 
     return local
 
@@ -55,10 +55,27 @@ def gpipe(stage_fn, stacked_params, x_BLD, positions_BL, mesh, microbatches: int
     """
     stages = mesh.shape[AXIS]
     local = _schedule(jax.checkpoint(stage_fn), stages, microbatches)  # remat per stage: memory ~ P, not M
+    return _over_stages(local, P(AXIS), stacked_params, x_BLD, positions_BL, mesh, microbatches)
+
+
+def _over_stages(local, param_spec, params, x_BLD, positions_BL, mesh, microbatches: int):
+    """Run a schedule in shard_map over `pipeline` on the microbatches of x; its outputs (held
+    by the last stage, zeros elsewhere) are summed over the stages.
+
+    On CPU, bfloat16 crosses the boundary as float32: XLA:CPU's all-reduce promotion pass aborts
+    the process ("Invalid binary instruction opcode copy") on the bfloat16 all-reduces over
+    `pipeline` of this partly manual shard_map, the outputs' sum and the inputs' gradient.
+    """
+    dtype = x_BLD.dtype
+    wire = jnp.float32 if jax.default_backend() == "cpu" and dtype == jnp.bfloat16 else dtype
+
+    def body(params, xs, positions):
+        return jax.lax.psum(local(params, xs.astype(dtype), positions).astype(wire), AXIS)
+
     xs, positions = microbatch.split(x_BLD, microbatches), microbatch.split(positions_BL, microbatches)
-    out = jax.shard_map(local, mesh=current_mesh(mesh), in_specs=(P(AXIS), P(), P()), out_specs=P(),
-                        axis_names={AXIS}, check_vma=False)(stacked_params, xs, positions)
-    return microbatch.merge(out)
+    out = jax.shard_map(body, mesh=current_mesh(mesh), in_specs=(param_spec, P(), P()), out_specs=P(),
+                        axis_names={AXIS}, check_vma=False)(params, xs.astype(wire), positions)
+    return microbatch.merge(out).astype(dtype)
 
 
 def _circular_schedule(stage_fn, stages: int, count: int, repeats: int):
@@ -87,7 +104,7 @@ def _circular_schedule(stage_fn, stages: int, count: int, repeats: int):
 
         start = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs), jnp.zeros_like(xs))
         (_, _, outputs), _ = jax.lax.scan(tick, start, jnp.arange(total + stages - 1))
-        return jax.lax.psum(outputs, AXIS)
+        return outputs
 
     return local
 
@@ -107,8 +124,5 @@ def circular(stage_fn, stacked_params, x_BLD, positions_BL, mesh, microbatches: 
 
     grouped = jax.tree.map(regroup, stacked_params)
     local = _circular_schedule(jax.checkpoint(stage_fn), stages, microbatches, repeats)
-    xs, positions = microbatch.split(x_BLD, microbatches), microbatch.split(positions_BL, microbatches)
     squeeze = lambda params, xs, pos: local(jax.tree.map(lambda p: p[:, 0], params), xs, pos)
-    out = jax.shard_map(squeeze, mesh=current_mesh(mesh), in_specs=(P(None, AXIS), P(), P()), out_specs=P(),
-                        axis_names={AXIS}, check_vma=False)(grouped, xs, positions)
-    return microbatch.merge(out)
+    return _over_stages(squeeze, P(None, AXIS), grouped, x_BLD, positions_BL, mesh, microbatches)

@@ -1,0 +1,244 @@
+"""Mixture-of-experts MLP: a top-k softmax router, expert capacity, and expert parallelism.
+
+Routing groups are sequences: each row of the batch routes its own L tokens, and each expert
+takes at most C = min(L, ceil(capacity_factor * L * top_k / num_experts)) of a row's
+assignments; the rest are dropped (the token keeps only its residual for that choice). Within a
+row every token's first choice queues before any second choice (GShard), and earlier tokens
+before later ones. The load-balancing loss is computed per row and averaged over rows, so
+routing, drops and losses are the same however the batch is split over devices or microbatches.
+
+Expert parallelism: expert weights are split over the `expert` mesh axis, and so is the batch
+(outside MoE layers `expert` is one more batch axis). The router runs on the whole batch as any
+layer does. Dispatch and combine run in `shard_map` over the batch axes (`expert` and, where
+they split the batch, `data` and `fsdp`): each device scatters its own rows' tokens into a
+[rows, experts, C, D] buffer, one all-to-all over `expert` sends every expert's slots to the
+device holding that expert, the local experts run, and a second all-to-all brings the results
+back to be combined with the router's weights. Expert weights split over `fsdp` are gathered
+inside (their gradients reduce-scattered back, as FSDP does); `tensor` stays automatic and
+splits the experts' hidden dimension. (All-to-alls are manual over every batch axis because
+XLA gathers an operand's automatic dimensions before an all-to-all in a partly manual region.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxscale.models.layers import normal, zeros
+from jaxscale.parallel import constrain as constrain_spec, current_mesh
+from jaxscale.sharding import active_layout, constrain
+
+AXIS = "expert"
+STATS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # per-step metrics, means over the MoE layers
+# Logical axes of the expert weights: SwiGLU (llama) or GELU with biases (gpt2).
+EXPERT_AXES = {"w_gate": ("experts", "embed", "mlp"), "w_up": ("experts", "embed", "mlp"),
+               "w_down": ("experts", "mlp", "embed"), "w_in": ("experts", "embed", "mlp"),
+               "bias_in": ("experts", "mlp"), "w_out": ("experts", "mlp", "embed"), "bias_out": ("experts", "embed")}
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESpec:
+    """config.model.moe: num_experts 0 is a dense model."""
+
+    num_experts: int = 0
+    top_k: int = 2
+    capacity_factor: float = 1.25
+    every_n_layers: int = 1     # layer i (from 1) is MoE when i % every_n_layers == 0
+    d_ff: int = 0               # expert hidden size; 0 = model.d_ff
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
+
+
+def capacity(length: int, spec: MoESpec) -> int:
+    """Slots per expert per row of `length` tokens."""
+    return min(length, math.ceil(spec.capacity_factor * length * spec.top_k / spec.num_experts))
+
+
+class Routing(NamedTuple):
+    """Where a [B, L] batch of tokens goes: k choices per token."""
+
+    experts: jax.Array    # int32 [B, L, k]: chosen experts, most probable first
+    positions: jax.Array  # int32 [B, L, k]: place in the chosen expert's queue of that row
+    weights: jax.Array    # float32 [B, L, k]: combine weights, 0 where dropped
+    keep: jax.Array       # bool [B, L, k]: the assignment fits within capacity
+    counts: jax.Array     # int32 [B, X]: assignments per expert and row, before dropping
+    aux_loss: jax.Array   # load balancing: mean over rows of X * sum_e fraction_e * mean_prob_e
+    z_loss: jax.Array     # mean over tokens of logsumexp(logits)^2
+    dropped: jax.Array    # fraction of assignments dropped
+
+
+def route(logits_BLX, top_k: int, capacity_per_row: int) -> Routing:
+    """Top-k softmax routing with per-row capacity, in float32.
+
+    Combine weights are the chosen experts' probabilities, renormalised to sum to 1 when
+    top_k > 1 (GShard, Mixtral); with top_k = 1 the raw probability (Switch), so the router
+    still learns from the main loss.
+    """
+    logits = logits_BLX.astype(jnp.float32)
+    B, L, X = logits.shape
+    probs = jax.nn.softmax(logits, axis=-1)
+    top_p, experts = _top_k(probs, top_k)
+    gates = top_p / top_p.sum(-1, keepdims=True) if top_k > 1 else top_p
+    chosen = jax.nn.one_hot(experts, X, dtype=jnp.int32)                  # [B, L, k, X]
+    queue = chosen.swapaxes(1, 2).reshape(B, top_k * L, X)                 # first choices first
+    place = ((jnp.cumsum(queue, axis=1) - 1) * queue).sum(-1)             # [B, k*L]
+    positions = place.reshape(B, top_k, L).swapaxes(1, 2)
+    keep = positions < capacity_per_row
+    counts = chosen.sum((1, 2))
+    fraction, mean_prob = counts / (L * top_k), probs.mean(1)             # [B, X] each
+    aux = (X * (fraction * mean_prob).sum(-1)).mean()
+    z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    return Routing(experts, positions, gates * keep, keep, counts, aux, z, jnp.mean(~keep, dtype=jnp.float32))
+
+
+def _top_k(probs_BLX, k: int):
+    """lax.top_k by k argmaxes (ties: the lower index first, as lax.top_k): XLA splits these
+    along the batch, while it gathers a top_k's whole operand onto every device."""
+    values, indices, left = [], [], probs_BLX
+    for _ in range(k):
+        index = jnp.argmax(left, axis=-1)
+        values.append(jnp.take_along_axis(probs_BLX, index[..., None], axis=-1)[..., 0])
+        indices.append(index.astype(jnp.int32))
+        left = jnp.where(jax.nn.one_hot(index, probs_BLX.shape[-1], dtype=bool), -jnp.inf, left)
+    return jnp.stack(values, -1), jnp.stack(indices, -1)
+
+
+class MoE(nnx.Module):
+    """num_experts MLPs (SwiGLU for llama, GELU with biases for gpt2) behind a top-k router."""
+
+    def __init__(self, cfg, rngs: nnx.Rngs):
+        m = cfg.moe
+        D, X, F = cfg.d_model, m.num_experts, m.d_ff or cfg.d_ff
+        out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
+        self.spec, self.llama = m, cfg.family == "llama"
+        self.router = normal(rngs, (D, X), ("embed", "router"), cfg.init_std)
+        if self.llama:
+            self.w_gate = normal(rngs, (X, D, F), EXPERT_AXES["w_gate"], cfg.init_std)
+            self.w_up = normal(rngs, (X, D, F), EXPERT_AXES["w_up"], cfg.init_std)
+            self.w_down = normal(rngs, (X, F, D), EXPERT_AXES["w_down"], out_std)
+        else:
+            self.w_in = normal(rngs, (X, D, F), EXPERT_AXES["w_in"], cfg.init_std)
+            self.bias_in = zeros((X, F), EXPERT_AXES["bias_in"])
+            self.w_out = normal(rngs, (X, F, D), EXPERT_AXES["w_out"], out_std)
+            self.bias_out = zeros((X, D), EXPERT_AXES["bias_out"])
+
+    def experts(self) -> dict:
+        names = ("w_gate", "w_up", "w_down") if self.llama else ("w_in", "bias_in", "w_out", "bias_out")
+        return {name: getattr(self, name)[...] for name in names}
+
+    def __call__(self, x_BLD):
+        """(out_BLD, {name: scalar} router statistics, see STATS)."""
+        logits_BLX = jnp.einsum("BLD,DX->BLX", x_BLD.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        routing = route(constrain(logits_BLX, ("batch", "act_length", None)), self.spec.top_k,
+                        capacity(x_BLD.shape[1], self.spec))
+        out_BLD = dispatch_combine(x_BLD, routing, self.experts(), self.spec.num_experts,
+                                   capacity(x_BLD.shape[1], self.spec), self.llama)
+        return out_BLD, dict(zip(STATS, (routing.aux_loss, routing.z_loss, routing.dropped)))
+
+
+def expert_mlp(x_XTD, w: dict, llama: bool):
+    """Each expert's MLP on its own tokens: [experts, tokens, D] -> same."""
+    if llama:
+        h_XTF = jax.nn.silu(jnp.einsum("XTD,XDF->XTF", x_XTD, w["w_gate"])) * jnp.einsum("XTD,XDF->XTF", x_XTD, w["w_up"])
+        return jnp.einsum("XTF,XFD->XTD", constrain(h_XTF, (None, "batch", "act_mlp")), w["w_down"])
+    h_XTF = jax.nn.gelu(jnp.einsum("XTD,XDF->XTF", x_XTD, w["w_in"]) + w["bias_in"][:, None], approximate=True)
+    h_XTF = constrain(h_XTF, (None, "batch", "act_mlp"))
+    return jnp.einsum("XTF,XFD->XTD", h_XTF, w["w_out"]) + w["bias_out"][:, None]
+
+
+def _slots(routing: Routing, num_experts: int, cap: int):
+    """int32 [B, L, k]: each assignment's slot in a row's [experts * capacity] buffer; dropped
+    ones point past its end (scatters skip them, gathers read 0)."""
+    return jnp.where(routing.keep, routing.experts * cap + routing.positions, num_experts * cap)
+
+
+def _local(x_BLD, slots_BLK, weights_BLK, w: dict, *, num_experts: int, cap: int, llama: bool, groups: int):
+    """Dispatch, expert MLPs and combine for this device's rows. With groups > 1 (inside
+    shard_map over `expert`, whose size it is) the local experts are num_experts / groups and
+    the slots of the others travel by all-to-all."""
+    B, L, D = x_BLD.shape
+    k = slots_BLK.shape[-1]
+
+    def scatter(x_LD, slots_LK):
+        src = jnp.broadcast_to(x_LD[:, None], (L, k, D)).reshape(L * k, D)
+        return jnp.zeros((num_experts * cap, D), x_LD.dtype).at[slots_LK.reshape(-1)].add(src, mode="drop")
+
+    buf = jax.vmap(scatter)(x_BLD, slots_BLK).reshape(B, groups, num_experts // groups, cap, D)
+    if groups > 1:  # [rows, destination group, ...] -> [rows, source group, local experts, ...]
+        buf = jax.lax.all_to_all(buf, AXIS, 1, 1, tiled=True)
+    local = num_experts // groups
+    tokens_XTD = buf.transpose(2, 0, 1, 3, 4).reshape(local, B * groups * cap, D)
+    y_XTD = expert_mlp(constrain(tokens_XTD, (None, "batch", "act_embed")), w, llama)
+    y = constrain(y_XTD, (None, "batch", "act_embed")).reshape(local, B, groups, cap, D).transpose(1, 2, 0, 3, 4)
+    if groups > 1:
+        y = jax.lax.all_to_all(y, AXIS, 1, 1, tiled=True)
+    y_BSD = y.reshape(B, num_experts * cap, D)
+
+    def gather(y_SD, slots_LK):
+        return jnp.take(y_SD, slots_LK.reshape(-1), axis=0, mode="fill", fill_value=0).reshape(L, k, D)
+
+    out_BLKD = jax.vmap(gather)(y_BSD, slots_BLK)
+    out_BLD = jnp.einsum("BLKD,BLK->BLD", out_BLKD, weights_BLK.astype(out_BLKD.dtype),
+                         preferred_element_type=jnp.float32)
+    return out_BLD.astype(x_BLD.dtype)
+
+
+def _entries(spec: P, ndim: int) -> list[tuple[str, ...]]:
+    """A PartitionSpec as one tuple of mesh axes per dimension."""
+    entries = list(spec) + [None] * (ndim - len(spec))
+    return [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries]
+
+
+def _spec(entries) -> P:
+    return P(*[None if not e else e[0] if len(e) == 1 else e for e in entries])
+
+
+def _gather_weights(w: dict, specs: dict) -> dict:
+    """Inside shard_map: each expert weight whole except for its split over `expert` (FSDP's gather)."""
+    def whole(x, entries):
+        for dim, axes in enumerate(entries):
+            axes = tuple(a for a in axes if a != AXIS)
+            if axes:
+                x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+        return x
+    return {name: whole(x, specs[name]) for name, x in w.items()}
+
+
+def dispatch_combine(x_BLD, routing: Routing, w: dict, num_experts: int, cap: int, llama: bool):
+    """sum_k weight_k * expert_k(x) for every token, the experts split over `expert` when the
+    active layout has that axis (all-to-all inside shard_map), else on this program's devices."""
+    slots, weights = _slots(routing, num_experts, cap), routing.weights
+    layout = active_layout()
+    groups = 1 if layout is None else layout.mesh.shape[AXIS]
+    run = functools.partial(_local, num_experts=num_experts, cap=cap, llama=llama, groups=groups)
+    if groups == 1:
+        return run(x_BLD, slots, weights, w)
+    context = jax.sharding.get_abstract_mesh()
+    here = layout.inside(*(() if context.empty else context.manual_axes))  # axes still to split here
+    batch = _entries(here.spec(("batch",)), 1)[0]  # the batch axes: manual inside, with `expert`
+    specs, manual_specs = {}, {}
+    for name, x in w.items():
+        entries = _entries(here.spec(EXPERT_AXES[name]), x.ndim)
+        entries[0] = (AXIS,)  # each device holds its own experts whatever the rule says
+        specs[name] = [tuple(a for a in e if a in batch) for e in entries]
+        w[name] = constrain_spec(x, _spec(entries), layout.mesh)
+
+    def local(x, slots, weights, w):
+        return run(x, slots, weights, _gather_weights(w, specs))
+
+    rows = P(_spec([batch])[0])
+    return jax.shard_map(local, mesh=current_mesh(layout.mesh), in_specs=(rows, rows, rows, {n: _spec(e) for n, e in specs.items()}),
+                         out_specs=rows, axis_names=set(batch), check_vma=False)(x_BLD, slots, weights, w)
+
+
+def expert_param_count(params: dict) -> int:
+    """Parameters of the expert MLPs (split over `expert`; a token uses top_k of num_experts)."""
+    mlp = params.get("layers", {}).get("moe", {}).get("mlp", {})
+    return sum(math.prod(v.shape) for k, v in mlp.items() if k != "router")

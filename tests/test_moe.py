@@ -1,0 +1,248 @@
+"""Mixture of experts: routing by hand, the layer against a dense reference, expert parallelism
+against one device, PartitionSpecs, the planner, decoding, validation and the CLI."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from conftest import ROOT, make_layout, run_cli
+from jaxscale import config as config_lib
+from jaxscale import metrics as metrics_lib
+from jaxscale import state as state_lib
+from jaxscale.errors import ConfigError
+from jaxscale.models import LanguageModel, ModelSpec
+from jaxscale.models.moe import MoE, MoESpec, expert_mlp, route
+from jaxscale.optim import make_optimizer
+from jaxscale.step import jit_train_step
+
+# 4 layers in groups of 2 (dense, then MoE); 8 experts, top-2. A capacity factor of
+# num_experts/top_k gives every expert room for a whole sequence: nothing is ever dropped.
+SPEC = ModelSpec(num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
+                 moe=MoESpec(num_experts=8, top_k=2, capacity_factor=4.0, every_n_layers=2, d_ff=64))
+
+
+def _with(spec, **moe):
+    return ModelSpec(**{**spec.__dict__, "moe": MoESpec(**{**spec.moe.__dict__, **moe})})
+
+
+# --- routing, computed by hand -------------------------------------------------------------
+
+# Row 0: four tokens over 3 experts; logits = log(probabilities) + c, so softmax gives the
+# probabilities exactly and logsumexp = c.
+PROBS = np.array([[[0.5, 0.3, 0.2], [0.6, 0.1, 0.3], [0.7, 0.2, 0.1], [0.1, 0.5, 0.4]],
+                  [[0.2, 0.3, 0.5]] * 4])
+SHIFT = np.array([[1.0, -2.0, 0.5, 0.0], [0.0] * 4])
+
+
+def test_routing_by_hand():
+    """top_k=2, capacity 2 per expert and row: first choices queue before second choices."""
+    r = route(jnp.asarray(np.log(PROBS) + SHIFT[..., None], jnp.float32), top_k=2, capacity_per_row=2)
+    # Row 0: choices t0 (e0, e1), t1 (e0, e2), t2 (e0, e1), t3 (e1, e2). Queue: first choices
+    # e0: t0, t1, t2 | e1: t3; then second choices e1: t0, t2 | e2: t1, t3. Capacity 2 drops
+    # t2's first choice (3rd in e0's queue) and its second (3rd in e1's).
+    # Row 1: every token picks e2 then e1; positions 0..3 in both, so t2 and t3 drop twice.
+    np.testing.assert_array_equal(r.experts, [[[0, 1], [0, 2], [0, 1], [1, 2]], [[2, 1]] * 4])
+    np.testing.assert_array_equal(r.positions, [[[0, 1], [1, 0], [2, 2], [0, 1]], [[0, 0], [1, 1], [2, 2], [3, 3]]])
+    np.testing.assert_array_equal(r.keep, [[[1, 1], [1, 1], [0, 0], [1, 1]], [[1, 1], [1, 1], [0, 0], [0, 0]]])
+    np.testing.assert_array_equal(r.counts, [[3, 3, 2], [0, 4, 4]])
+    # Combine weights: the two probabilities renormalised, 0 where dropped.
+    np.testing.assert_allclose(r.weights, [[[0.5 / 0.8, 0.3 / 0.8], [0.6 / 0.9, 0.3 / 0.9], [0, 0], [0.5 / 0.9, 0.4 / 0.9]],
+                                           [[0.5 / 0.8, 0.3 / 0.8]] * 2 + [[0, 0]] * 2], rtol=1e-6)
+    # Balancing loss per row: 3 * sum_e (assignments_e / 8) * mean_prob_e, then the mean over rows.
+    row0 = 3 * (3 / 8 * (0.5 + 0.6 + 0.7 + 0.1) / 4 + 3 / 8 * (0.3 + 0.1 + 0.2 + 0.5) / 4 + 2 / 8 * (0.2 + 0.3 + 0.1 + 0.4) / 4)
+    row1 = 3 * (0 * 0.2 + 4 / 8 * 0.3 + 4 / 8 * 0.5)
+    assert row0 == pytest.approx(1.03125) and row1 == pytest.approx(1.2)
+    np.testing.assert_allclose(r.aux_loss, (row0 + row1) / 2, rtol=1e-6)
+    np.testing.assert_allclose(r.z_loss, (1 + 4 + 0.25 + 0) / 8, rtol=1e-6)  # mean of logsumexp^2 = c^2
+    np.testing.assert_allclose(r.dropped, 6 / 16)
+
+
+def test_top_1_keeps_the_raw_probability():
+    """Switch: with one choice the weight is the router probability (not renormalised to 1)."""
+    r = route(jnp.asarray(np.log(PROBS[:1]), jnp.float32), top_k=1, capacity_per_row=2)
+    np.testing.assert_array_equal(r.experts[..., 0], [[0, 0, 0, 1]])
+    np.testing.assert_allclose(r.weights[..., 0], [[0.5, 0.6, 0.0, 0.5]], rtol=1e-6)  # t2: third for e0
+    np.testing.assert_allclose(r.aux_loss, 3 * (3 / 4 * 0.475 + 1 / 4 * 0.275), rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("capacity_factor", [1.0, 4.0])
+def test_layer_equals_a_dense_reference(family, capacity_factor):
+    """Dispatch, experts and combine equal running every expert on every token and summing the
+    kept choices with their weights (with drops at capacity factor 1)."""
+    spec = ModelSpec(family=family, num_layers=2, d_model=16, d_ff=32, num_heads=2, num_kv_heads=2,
+                     moe=MoESpec(num_experts=4, top_k=2, capacity_factor=capacity_factor), init_std=0.5)
+    layer = MoE(spec, nnx.Rngs(0))
+    x = jax.random.normal(jax.random.PRNGKey(1), (3, 10, 16))
+    out, stats = layer(x)
+    logits = jnp.einsum("BLD,DX->BLX", x, layer.router[...])
+    r = route(logits, 2, min(10, int(np.ceil(capacity_factor * 10 * 2 / 4))))
+    every = expert_mlp(jnp.broadcast_to(x.reshape(1, 30, 16), (4, 30, 16)), layer.experts(), family == "llama")
+    every = every.reshape(4, 3, 10, 16)  # [expert, B, L, D]
+    want = sum(r.weights[..., j, None] * jnp.take_along_axis(every, r.experts[None, ..., j, None], 0)[0]
+               for j in range(2))
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    assert (float(stats["moe_dropped"]) > 0) == (capacity_factor == 1.0)
+
+
+# --- expert parallelism equals one device ----------------------------------------------------
+
+def _batch(rows=16, length=32, seed=0):
+    tokens = np.random.default_rng(seed).integers(0, 256, (rows, length + 1)).astype(np.int32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def _run(layout, spec=SPEC, accum=1, steps=2):
+    """Metrics of `steps` updates of `spec` on `layout` (fp32)."""
+    model = LanguageModel(spec)
+    tx, schedule = make_optimizer(config_lib.defaults().optim, 10)
+    state, shardings = state_lib.init(model, tx, 0, layout)
+    step = jit_train_step(model, tx, schedule, jnp.float32, accum, layout, shardings,
+                          state_lib.grad_shardings(model, layout))
+    history = []
+    for i in range(steps):
+        state, metrics = step(state, jax.device_put(_batch(seed=i), layout.batch_sharding()))
+        history.append(jax.device_get(metrics))
+    return history
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _run(make_layout(1))
+
+
+LAYOUTS = {
+    "expert4_data2": dict(data=2, expert=4),
+    "expert2_data4": dict(data=4, expert=2),
+    "expert2_fsdp2_tensor2_zero1": dict(expert=2, fsdp=2, tensor=2, zero_stage=1),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_expert_parallel_equals_one_device(reference, name):
+    """Loss, grad norm and router statistics of 2 steps within 1e-5 of one device; nothing dropped."""
+    got = _run(make_layout(**LAYOUTS[name]))
+    for g, r in zip(got, reference):
+        assert g["moe_dropped"] == 0 and r["moe_dropped"] == 0
+        for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
+            np.testing.assert_allclose(g[key], r[key], rtol=1e-5, err_msg=key)
+    assert got[0]["moe_aux_loss"] > 0.9 and got[0]["moe_z_loss"] > 0
+
+
+def test_drops_and_accumulation_do_not_depend_on_the_layout():
+    """Routing groups are sequences: with tokens dropped (capacity factor 1) and 2 accumulation
+    steps, expert=4 x data=2 still equals one device without accumulation."""
+    spec = _with(SPEC, capacity_factor=1.0)
+    one, split = _run(make_layout(1), spec, steps=1), _run(make_layout(data=2, expert=4), spec, accum=2, steps=1)
+    assert one[0]["moe_dropped"] > 0.01
+    for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_dropped"):
+        np.testing.assert_allclose(split[0][key], one[0][key], rtol=1e-5, err_msg=key)
+
+
+# --- layout: PartitionSpecs, planner, decoding -----------------------------------------------
+
+def test_expert_weights_split_over_expert_and_tensor():
+    model = LanguageModel(SPEC)
+    tx, _ = make_optimizer(config_lib.defaults().optim, 10)
+    layout = make_layout(expert=2, fsdp=2, tensor=2)
+    shardings = state_lib.shardings(model, tx, layout)
+    mlp, mu = shardings.params["layers"]["moe"]["mlp"], shardings.opt_state[1][0].mu["layers"]["moe"]["mlp"]
+    assert mlp["w_gate"].spec == P(None, "expert", "fsdp", "tensor") == mu["w_gate"].spec
+    assert mlp["w_down"].spec == P(None, "expert", "tensor", "fsdp")
+    assert mlp["router"].spec == P(None, "fsdp")  # every expert group routes its own tokens
+    assert shardings.params["layers"]["dense"]["mlp"]["w_up"].spec == P(None, "fsdp", "tensor")
+    assert layout.batch_sharding().spec == P(("fsdp", "expert"))  # expert is a batch axis elsewhere
+    gpt2 = LanguageModel(ModelSpec(**{**SPEC.__dict__, "family": "gpt2", "max_seq_len": 64}))
+    specs = state_lib.shardings(gpt2, tx, make_layout(data=2, expert=4)).params["layers"]["moe"]["mlp"]
+    assert specs["bias_in"].spec == P(None, "expert") and specs["w_out"].spec == P(None, "expert")
+
+
+def test_planner_divides_expert_weights_by_expert():
+    from jaxscale.plan import make_plan
+
+    config = config_lib.load(str(ROOT / "configs" / "tiny_moe.py"))
+    config_lib.apply_overrides(config, ["mesh.data=2", "mesh.expert=4", "train.seq_len=32", "train.global_batch_size=8"])
+    plan = make_plan(config)
+    for key in ("params", "grads", "opt_state"):
+        assert plan["per_device_bytes"][key] == pytest.approx(plan["expected_bytes"][key], rel=0.05), key
+    # two all-to-alls (dispatch, combine) per MoE layer forward, two more backward: 2 MoE layers
+    assert plan["collectives"]["all-to-all"]["count"] == 8
+    assert plan["collectives"]["all-gather"]["count"] == 0  # tokens are never gathered
+
+
+@pytest.mark.parametrize("family, every", [("llama", 2), ("gpt2", 1)])
+def test_decode_equals_the_full_forward(family, every):
+    spec = ModelSpec(family=family, num_layers=2, d_model=32, num_heads=4, num_kv_heads=2 if family == "llama" else 4,
+                     d_ff=64, vocab_size=100, max_seq_len=16, init_std=0.2,
+                     moe=MoESpec(num_experts=4, top_k=2, capacity_factor=2.0, every_n_layers=every))
+    model = LanguageModel(spec)
+    params = model.init(jax.random.PRNGKey(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 100, (2, 10)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(10), tokens.shape)
+    cache, pieces, decode = model.init_cache(2, 12), [], jax.jit(model.decode)
+    for start, stop in [(0, 6)] + [(i, i + 1) for i in range(6, 10)]:
+        logits, cache = decode(params, tokens[:, start:stop], positions[:, start:stop], cache)
+        pieces.append(logits)
+    full, stats = model.apply_with_stats(params, tokens)
+    assert float(stats["moe_dropped"]) == 0
+    np.testing.assert_allclose(jnp.concatenate(pieces, 1), full, rtol=0, atol=1e-5)
+
+
+def test_active_parameters_for_mfu():
+    model = LanguageModel(SPEC)
+    n = metrics_lib.non_embedding_params(model.shapes)
+    experts = 2 * 3 * 8 * 64 * 64  # 2 MoE layers x (gate, up, down) x 8 experts x d_model x expert d_ff
+    assert metrics_lib.active_params(model.shapes, SPEC) == n - experts + experts * 2 // 8
+
+
+# --- validation and the command line ----------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, field, words", [
+    (["mesh.expert=2"], "mesh.expert", "model.moe.num_experts to a multiple of 2"),
+    (["model.moe.num_experts=6", "mesh.expert=4"], "model.moe.num_experts", "multiple of 4"),
+    (["model.moe.num_experts=8", "model.moe.top_k=9"], "model.moe.top_k", "between 1 and"),
+    (["model.moe.num_experts=8", "model.moe.capacity_factor=0"], "model.moe.capacity_factor", "dropless"),
+    (["model.moe.num_experts=8", "model.moe.every_n_layers=3"], "model.moe.every_n_layers", "divide model.num_layers=4"),
+    (["model.moe.num_experts=8", "mesh.pipeline=2"], "mesh.pipeline", "mesh.pipeline=1"),
+    (["model.moe.num_experts=8", "model.moe.d_ff=100", "mesh.tensor=8", "mesh.data=1"], "model.moe.d_ff", "multiple of 8"),
+    (["model.moe.num_experts=8", "mesh.expert=2", "sharding.rules.batch='data,fsdp'"], "sharding.rules.batch", "add expert"),
+    (["model.moe.num_experts=8", "mesh.expert=4", "mesh.data=2", "train.global_batch_size=4"],
+     "train.global_batch_size", "data x fsdp x expert"),
+])
+def test_bad_moe_input_names_field(overrides, field, words):
+    config = config_lib.defaults()
+    with pytest.raises(ConfigError) as info:
+        config_lib.apply_overrides(config, overrides)
+        config_lib.validate(config, 8)
+    assert info.value.field == field and str(info.value).startswith(field) and words in str(info.value)
+
+
+def test_cli_expert_parallel_logs_the_one_device_loss(tmp_path):
+    """The acceptance command: tiny_moe with expert=4 (data=-1 takes the other 2) logs the same
+    step-1 loss as expert=1, and the router statistics."""
+    records = {}
+    for experts in (1, 4):
+        workdir = tmp_path / f"expert{experts}"
+        done = run_cli(["--config=configs/tiny_moe.py", f"--config.mesh.expert={experts}", "--config.mesh.data=-1",
+                        "--config.train.steps=2", "--config.train.eval_every=0", "--config.tracking.writers=jsonl",
+                        "--config.tracking.report=False", f"--workdir={workdir}"])
+        assert done.returncode == 0, done.stderr[-3000:]
+        records[experts] = json.loads((workdir / "metrics.jsonl").read_text().splitlines()[0])
+    one, four = records[1], records[4]
+    assert one["step"] == four["step"] == 1
+    np.testing.assert_allclose(four["loss"], one["loss"], rtol=1e-5)
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_dropped"):
+        np.testing.assert_allclose(four[key], one[key], rtol=1e-5, err_msg=key)
+
+
+def test_hugging_face_export_refuses_an_moe_model():
+    from jaxscale.interop.hf_config import hf_config_from_spec
+
+    with pytest.raises(ConfigError) as info:
+        hf_config_from_spec(SPEC)
+    assert info.value.field == "model.moe.num_experts" and "dense Llama and GPT-2" in str(info.value)
