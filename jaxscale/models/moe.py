@@ -223,19 +223,19 @@ def dispatch_combine(x_BLD, routing: Routing, w: dict, num_experts: int, cap: in
     context = jax.sharding.get_abstract_mesh()
     here = layout.inside(*(() if context.empty else context.manual_axes))  # axes still to split here
     batch = _entries(here.spec(("batch",)), 1)[0]  # the batch axes: manual inside, with `expert`
-    specs, manual_specs = {}, {}
+    specs, placed = {}, {}
     for name, x in w.items():
         entries = _entries(here.spec(EXPERT_AXES[name]), x.ndim)
         entries[0] = (AXIS,)  # each device holds its own experts whatever the rule says
         specs[name] = [tuple(a for a in e if a in batch) for e in entries]
-        w[name] = constrain_spec(x, _spec(entries), layout.mesh)
+        placed[name] = constrain_spec(x, _spec(entries), layout.mesh)
 
     def local(x, slots, weights, w):
         return run(x, slots, weights, _gather_weights(w, specs))
 
     rows = P(_spec([batch])[0])
     return jax.shard_map(local, mesh=current_mesh(layout.mesh), in_specs=(rows, rows, rows, {n: _spec(e) for n, e in specs.items()}),
-                         out_specs=rows, axis_names=set(batch), check_vma=False)(x_BLD, slots, weights, w)
+                         out_specs=rows, axis_names=set(batch), check_vma=False)(x_BLD, slots, weights, placed)
 
 
 def expert_param_count(params: dict) -> int:
