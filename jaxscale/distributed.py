@@ -34,10 +34,6 @@ class Cluster:
     method: str | None = None        # JAX's cluster_detection_method, when JAX detects the rest
     local_device_ids: tuple[int, ...] | None = None  # the GPUs this process drives (None: JAX decides)
 
-    def describe(self) -> str:
-        where = f", coordinator {self.coordinator}" if self.coordinator else ""
-        return f"{self.source}{where}"
-
 
 def _int(env, name: str) -> int | None:
     value = env.get(name, "")

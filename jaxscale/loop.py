@@ -30,7 +30,7 @@ from jaxscale.guard import GuardSpec
 from jaxscale.health import StragglerReport, Watchdog
 from jaxscale.mesh import granule_count
 from jaxscale.models import LanguageModel, model_from_config
-from jaxscale.offload import OffloadSpec, check_supported, on_device
+from jaxscale.offload import OffloadSpec, check_supported, to_device_kind
 from jaxscale.optim import make_optimizer
 from jaxscale.preemption import PreemptionWatch
 from jaxscale.progress import ProgressDisplay
@@ -70,7 +70,7 @@ class Run:
         """The parameters in device memory (a copy when they are offloaded to the host)."""
         if not self.offload.params:
             return self.state.params
-        return jax.jit(lambda p: on_device(p, self.shardings.params))(self.state.params)
+        return jax.device_put(self.state.params, to_device_kind(self.shardings.params))
 
 
 def _peak(config) -> float | None:

@@ -13,8 +13,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxscale import guard as guard_lib
 from jaxscale.guard import GuardSpec
 from jaxscale.models import LanguageModel
-from jaxscale.offload import has_host, on_device
 from jaxscale.models.precision import compute_dtype  # noqa: F401  (re-exported for callers)
+from jaxscale.offload import has_host, on_device
 from jaxscale.parallel import microbatch
 from jaxscale.parallel.context import AXIS as SEQUENCE, zigzag_order
 from jaxscale.sharding import Layout

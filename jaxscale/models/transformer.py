@@ -150,6 +150,12 @@ class Transformer(nnx.Module):
         logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, w_DV, preferred_element_type=jnp.float32)
         return constrain(logits_BLV, ("batch", "act_length", "act_vocab")), cache, stats
 
+    def _remat(self, layer_fn):
+        """layer_fn rematerialised in the backward pass as model.remat says (unchanged for 'none')."""
+        if self.spec.remat == "none":
+            return layer_fn
+        return jax.checkpoint(layer_fn, policy=REMAT_POLICIES[self.spec.remat], prevent_cse=False)
+
     def _scan_layers(self, x_BLD, positions_BL):
         graphdef, stacked = nnx.split(self.layers)
 
@@ -157,9 +163,7 @@ class Transformer(nnx.Module):
             def layer(x, layer_params):
                 return nnx.merge(graphdef, layer_params)(x, positions_BL)[0], None
 
-            if self.spec.remat != "none":
-                layer = jax.checkpoint(layer, policy=REMAT_POLICIES[self.spec.remat], prevent_cse=False)
-            return jax.lax.scan(layer, x_BLD, params)[0]
+            return jax.lax.scan(self._remat(layer), x_BLD, params)[0]
 
         layout = active_layout()
         if layout is not None and layout.mesh.shape[pipeline.AXIS] > 1:
@@ -195,9 +199,7 @@ class Transformer(nnx.Module):
         def moe_layer(x, params, layer_cache):
             return nnx.merge(moe_def, params)(x, positions_BL, layer_cache)
 
-        if self.spec.remat != "none":
-            policy = REMAT_POLICIES[self.spec.remat]
-            dense_layer, moe_layer = (jax.checkpoint(f, policy=policy, prevent_cse=False) for f in (dense_layer, moe_layer))
+        dense_layer, moe_layer = self._remat(dense_layer), self._remat(moe_layer)
 
         def group(carry, xs):
             x, totals = carry
