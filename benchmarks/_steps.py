@@ -7,25 +7,35 @@ import statistics
 import time
 
 
+def prepare(config, devices=None):
+    """(the built Run, its train step compiled ahead of time, compile seconds, a fresh state, the
+    run's training batches from the start) on `devices` (default: all)."""
+    from jaxscale.build import build
+    from jaxscale.data import make_data
+
+    run = build(config, devices)
+    compiled, seconds = run.compile()
+    return run, compiled, seconds, run.init_state(), make_data(config, run.batch_sharding).train_batches(0)
+
+
 def stepper(config, steps: int = 1):
-    """(the set-up Run, a function timing `steps` steps of its compiled train step and returning
-    the seconds per step). The steps take the run's own batches in order; one warm-up call first."""
+    """(the built Run, a function timing `steps` steps of its compiled train step and returning
+    the seconds per step, its latest state in `live['state']`). The steps take the run's own
+    batches in order; one warm-up call first."""
     import jax
 
-    from jaxscale import loop
-
-    run = loop.setup(config)
-    compiled, _ = loop.compile_step(run)
-    batches = run.data.train_batches(0)
+    run, compiled, _, state, batches = prepare(config)
+    live = {"state": state}
 
     def timed() -> float:
         start = time.perf_counter()
         for _ in range(steps):
-            run.state, metrics = compiled(run.state, next(batches))
+            live["state"], metrics = compiled(live["state"], next(batches))
         jax.block_until_ready(metrics)
         return (time.perf_counter() - start) / steps
 
     timed()
+    timed.live = live
     return run, timed
 
 

@@ -14,6 +14,7 @@ per (seq_len, mode) with step_s and temp_bytes.
 from __future__ import annotations
 
 import _common  # noqa: I001  (first: puts this checkout's jaxscale on sys.path)
+import _steps
 
 import argparse
 import sys
@@ -39,12 +40,8 @@ def _measure(config, steps: int, rounds: int, devices: int) -> tuple[float, int]
 
     import jax
 
-    from jaxscale import loop
-
-    run = loop.setup(config, jax.devices()[:devices])
-    compiled, _ = loop.compile_step(run)
-    batch = next(run.data.train_batches(0))
-    state, times = run.state, []
+    _, compiled, _, state, batches = _steps.prepare(config, jax.devices()[:devices])
+    batch, times = next(batches), []
     for _ in range(rounds * steps + 1):
         start = time.perf_counter()
         state, metrics = compiled(state, batch)

@@ -16,6 +16,7 @@ defaults. A combination that does not fit in memory is reported as such, not fat
 from __future__ import annotations
 
 import _common  # noqa: I001  (first: puts this checkout's jaxscale on sys.path)
+import _steps
 
 import argparse
 import itertools
@@ -35,20 +36,18 @@ def _worker(args) -> dict:
     import jax
 
     from jaxscale import config as config_lib
-    from jaxscale import loop, metrics
+    from jaxscale import metrics
 
     config = config_lib.load(args.config)
     config_lib.apply_overrides(config, [
         f"train.global_batch_size={args.batch}", f"train.seq_len={args.seq_len}", f"model.remat={args.remat}",
         "model.dtype=bfloat16", "data.source=synthetic", "train.eval_every=0", *args.override])
     config.model.max_seq_len = max(config.model.max_seq_len, args.seq_len)
-    run = loop.setup(config)
-    compiled, compile_s = loop.compile_step(run)
-    batches = run.data.train_batches(0)
+    run, compiled, compile_s, state, batches = _steps.prepare(config)
     times = []
     for i in range(args.steps + 2):
         began = time.perf_counter()
-        run.state, out = compiled(run.state, next(batches))
+        state, out = compiled(state, next(batches))
         jax.block_until_ready(out["loss"])
         if i >= 2:
             times.append(time.perf_counter() - began)

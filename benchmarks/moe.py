@@ -45,7 +45,7 @@ def measure(config_path: str, overrides: list[str], devices: int, rounds: int, s
     medians = _steps.interleaved({name: timed for name, (_, timed) in prepared.items()}, rounds)
     rows = []
     for name, (run, _) in prepared.items():
-        params = run.state.params
+        params = run.abstract_state.params
         rows.append({"layout": name, "step_s": medians[name], "mesh": dict(run.layout.mesh.shape),
                      "params": metrics_lib.non_embedding_params(params),
                      "active_params": metrics_lib.active_params(params, run.model.spec)})

@@ -39,8 +39,8 @@ def measure(config, rounds: int, steps: int) -> dict:
     prepared = {name: _steps.stepper(_config(config, mode), steps) for name, mode in MODES.items()}
     medians = _steps.interleaved({name: timed for name, (_, timed) in prepared.items()}, rounds)
     rows = []
-    for name, (run, _) in prepared.items():
-        state = (run.state.params, run.state.opt_state)
+    for name, (_, timed) in prepared.items():
+        state = (timed.live["state"].params, timed.live["state"].opt_state)
         host = shard_bytes(state, HOST)
         rows.append({"mode": name, "step_s": medians[name], "host_bytes": host, "device_bytes": shard_bytes(state) - host})
     for row in rows:

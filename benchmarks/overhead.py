@@ -32,6 +32,8 @@ import optax
 
 from jaxscale import config as config_lib
 from jaxscale import loop
+from jaxscale.build import Run
+from jaxscale.session import Session, open_session
 from jaxscale.optim import make_optimizer
 from jaxscale.step import compute_dtype
 
@@ -80,7 +82,7 @@ def bare_loss(params, batch, spec, dtype):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
 
 
-def bare_step(run: loop.Run, tx, dtype):
+def bare_step(run: Run, tx, dtype):
     """jit(value_and_grad + optax update) with the same shardings and donation as jaxscale's."""
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(bare_loss)(params, batch, run.model.spec, dtype)
@@ -99,18 +101,18 @@ def _time_bare(step, params, opt_state, batch, n):
     return params, opt_state, (time.perf_counter() - start) / n
 
 
-def _loop_steps(session: loop.Session, n: int) -> list[dict]:
+def _loop_steps(session: Session, n: int) -> list[dict]:
     """n steps of jaxscale's own loop (data, metrics, logging every step); their records."""
-    return loop.run_steps(session, until=int(session.run.state.step) + n)
+    return loop.run_steps(session, until=session.live.step + n)
 
 
-def _time_loop(session: loop.Session, n: int) -> tuple[float, float]:
+def _time_loop(session: Session, n: int) -> tuple[float, float]:
     """(median, mean) step time of jaxscale's loop over n steps, the first (which waits for data) left out."""
     times = [r["step_time_s"] for r in _loop_steps(session, n)[1:]]
     return statistics.median(times), statistics.fmean(times)
 
 
-def _time_first_loop_step(session: loop.Session) -> float:
+def _time_first_loop_step(session: Session) -> float:
     """Seconds for the loop's first step: compiling the step, starting the data pipeline, step 1."""
     start = time.perf_counter()
     _loop_steps(session, 1)
@@ -120,19 +122,19 @@ def _time_first_loop_step(session: loop.Session) -> float:
 def measure(config, rounds: int, steps: int, checkpoint_every: int) -> dict:
     config.train.update(log_every=1, eval_every=0, steps=1 + rounds * steps)
     config.checkpoint.update(every_steps=checkpoint_every, max_to_keep=2)  # async saves inside the timed loop
-    with tempfile.TemporaryDirectory() as workdir, loop.open_session(config, workdir, show_progress=False) as session:
+    with tempfile.TemporaryDirectory() as workdir, open_session(config, workdir, show_progress=False) as session:
         return _measure(session, rounds, steps)
 
 
-def _measure(session: loop.Session, rounds: int, steps: int) -> dict:
+def _measure(session: Session, rounds: int, steps: int) -> dict:
     run, config = session.run, session.run.config
     tx, _ = make_optimizer(config.optim, config.train.steps)
     dtype = compute_dtype(config.model.dtype)
     bare = bare_step(run, tx, dtype)
-    batch = next(run.data.train_batches(0))
-    params = jax.tree.map(jnp.copy, run.state.params)
-    opt_state = jax.tree.map(jnp.copy, run.state.opt_state)
-    ref_loss = float(loop.evaluate(run, [batch]))
+    batch = next(session.data.train_batches(0))
+    params = jax.tree.map(jnp.copy, session.live.state.params)
+    opt_state = jax.tree.map(jnp.copy, session.live.state.opt_state)
+    ref_loss = float(run.eval_step(session.live.state.params, batch))
     check = float(jax.jit(bare_loss, static_argnums=(2, 3))(params, batch, run.model.spec, dtype))
     loop_first = _time_first_loop_step(session)
     params, opt_state, bare_first = _time_bare(bare, params, opt_state, batch, 1)  # compiles

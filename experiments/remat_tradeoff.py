@@ -16,14 +16,15 @@ import time
 import jax
 
 from jaxscale import config as config_lib
-from jaxscale import loop
+from jaxscale.build import build
+from jaxscale.data import make_data
 
 
 def measure(config, steps: int) -> tuple[int, float]:
-    run = loop.setup(config)
-    batch = next(run.data.train_batches(0))
-    compiled, _ = loop.compile_step(run)
-    state, times = run.state, []
+    run = build(config)
+    batch = next(make_data(config, run.batch_sharding).train_batches(0))
+    compiled, _ = run.compile()
+    state, times = run.init_state(), []
     for _ in range(steps + 1):
         start = time.perf_counter()
         state, metrics = compiled(state, batch)

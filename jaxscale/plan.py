@@ -11,24 +11,18 @@ from __future__ import annotations
 import json
 import math
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
-from jaxscale import cli
-from jaxscale import config as config_lib
-from jaxscale import profile
+from jaxscale import cli, profile
 from jaxscale import state as state_lib
-from jaxscale.guard import GuardSpec
-from jaxscale.mesh import granule_count
-from jaxscale.models import model_from_config
+from jaxscale.build import build
 from jaxscale.models.moe import expert_param_count
-from jaxscale.offload import HOST, OffloadSpec
-from jaxscale.optim import make_optimizer
+from jaxscale.offload import HOST
 from jaxscale.parallel.pipeline import bubble_fraction
-from jaxscale.sharding import Layout, layout_from_config
-from jaxscale.step import compute_dtype, jit_train_step
+from jaxscale.sharding import Layout
+from jaxscale.step import jit_grad_step
 
 USAGE = ("usage: python -m jaxscale.plan --config=PATH [--config.section.key=value ...] [--json] "
          "[--device_memory_gb=GB] [--platform=cpu|gpu|tpu]")
@@ -61,36 +55,21 @@ def expected_bytes(layer_params: int, other_params: int, layout: Layout, expert_
     return {"params": per_device(4, 3), "grads": per_device(4, 2), "opt_state": per_device(8, 1)}
 
 
-def _planned_model(config, platform: str):
-    """(model, notes) for planning `platform`'s run on this host. A kernel this host cannot compile
-    (cuDNN attention on a CPU host) is planned with XLA's, and a note says so."""
-    model, notes = model_from_config(config, platform)
-    here = jax.default_backend()
-    if model.spec.attention_impl == "cudnn" and here != "gpu":
-        model, _ = model_from_config(config, here)
-        notes = [f"attention: planned with the xla kernel ({here} cannot compile cuDNN's); on the GPU cuDNN flash "
-                 "attention runs instead and needs less temporary memory (no L x L score matrix)"]
-    return model, notes
-
-
 def compile_plan(config, platform: str, devices=None):
-    """(compiled step, layout, abstract state, grad shardings, compile seconds, notes) with no allocation."""
-    devices = list(devices or jax.devices())
-    config_lib.validate(config, len(devices), granule_count(devices))
-    layout, _ = layout_from_config(config, devices)
-    model, notes = _planned_model(config, platform)
-    tx, schedule = make_optimizer(config.optim, config.train.steps)
-    guard = GuardSpec.from_config(config.guard)
-    state, shardings = state_lib.abstract(model, tx, layout, guard, OffloadSpec.from_config(config.offload))
-    grads = state_lib.grad_shardings(model, layout)
-    step = jit_train_step(model, tx, schedule, compute_dtype(config.model.dtype, platform),
-                          config.train.grad_accum_steps, layout, shardings, grads, guard)
-    t = config.train
-    tokens = jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len), jnp.int32, sharding=layout.batch_sharding())
-    start = time.perf_counter()
-    compiled = step.lower(state, {"inputs": tokens, "targets": tokens}).compile()
-    grad_tree = jax.tree.map(lambda p, s: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=s), state.params, grads)
-    return compiled, layout, state, grad_tree, time.perf_counter() - start, notes
+    """(the run, its train step compiled for `platform`, compile seconds), allocating nothing."""
+    run = build(config, devices, platform)
+    compiled, seconds = run.compile()
+    return run, compiled, seconds
+
+
+def compiled_bytes(run, compiled) -> dict[str, int]:
+    """Per-device bytes of parameters, gradients and optimizer state as the compiler placed
+    them: the state from the compiled step's input shardings, the gradients from the output
+    shardings of the compiled gradient program (the backward pass and its reductions alone)."""
+    state = state_lib.with_shardings(run.abstract_state, compiled.input_shardings[0][0])
+    grads_program = jit_grad_step(run.step_spec).lower(run.abstract_state.params, run.batch_shape()).compile()
+    grads = state_lib.with_shardings(run.abstract_state.params, grads_program.output_shardings)
+    return {"params": shard_bytes(state.params), "grads": shard_bytes(grads), "opt_state": shard_bytes(state.opt_state)}
 
 
 def _pipeline_summary(stages: int, pipe) -> dict:
@@ -104,23 +83,23 @@ def _pipeline_summary(stages: int, pipe) -> dict:
 def make_plan(config, platform: str | None = None, devices=None) -> dict:
     """The plan as a JSON-ready dict (see the module docstring), over `devices` (default: all)."""
     platform = platform or jax.default_backend()
-    compiled, layout, state, grads, compile_s, notes = compile_plan(config, platform, devices)
-    memory = compiled.memory_analysis()
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
-    n_layers = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params["layers"]))
-    per_device = {"params": shard_bytes(state.params), "grads": shard_bytes(grads),
-                  "opt_state": shard_bytes(state.opt_state), "temp": memory.temp_size_in_bytes}
+    run, compiled, compile_s = compile_plan(config, platform, devices)
+    memory, params = compiled.memory_analysis(), run.abstract_state.params
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    n_layers = sum(math.prod(x.shape) for x in jax.tree.leaves(params["layers"]))
+    per_device = {**compiled_bytes(run, compiled), "temp": memory.temp_size_in_bytes}
     # Peak: live arguments + temporaries + outputs that do not reuse a donated input.
     per_device["total"] = (memory.argument_size_in_bytes + memory.temp_size_in_bytes
                            + memory.output_size_in_bytes - memory.alias_size_in_bytes)
-    return {"mesh": {k: v for k, v in layout.mesh.shape.items()}, "zero_stage": layout.zero_stage,
-            "pipeline": _pipeline_summary(layout.mesh.shape["pipeline"], config.pipeline),
-            "platform": platform, "compute_dtype": str(compute_dtype(config.model.dtype, platform)),
+    state = run.abstract_state
+    return {"mesh": dict(run.layout.mesh.shape), "zero_stage": run.layout.zero_stage,
+            "pipeline": _pipeline_summary(run.layout.mesh.shape["pipeline"], config.pipeline),
+            "platform": platform, "compute_dtype": str(run.step_spec.dtype),
             "num_params": n_params, "compile_s": round(compile_s, 2), "per_device_bytes": per_device,
             "argument_bytes": memory.argument_size_in_bytes,
             "host_bytes": {"params": shard_bytes(state.params, HOST), "opt_state": shard_bytes(state.opt_state, HOST)},
-            "expected_bytes": expected_bytes(n_layers, n_params - n_layers, layout, expert_param_count(state.params)),
-            "collectives": profile.collective_stats(compiled.as_text()), "notes": notes}
+            "expected_bytes": expected_bytes(n_layers, n_params - n_layers, run.layout, expert_param_count(params)),
+            "collectives": profile.collective_stats(compiled.as_text()), "notes": list(run.notes)}
 
 
 def advice(plan: dict, config, limit_bytes: float) -> list[str]:

@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 import jax
 
-from jaxscale import state as state_lib
 from jaxscale.checkpoint import Checkpointer, compat, locate
 from jaxscale.errors import ConfigError, RunError
+from jaxscale.runstate import RunState
 
 
 @dataclasses.dataclass
@@ -59,14 +59,14 @@ def _checker(run, start: Start, say: Callable[[str], None]):
     return check
 
 
-def apply(start: Start, run, say: Callable[[str], None]) -> tuple[int, dict]:
-    """Put the start's state into run.state; returns (the data step, i.e. the index of the next
-    batch; the tracker run ids saved with the checkpoint). A foreign checkpointer (resume_from,
-    init_from) is closed afterwards."""
+def apply(start: Start, run, say: Callable[[str], None]) -> tuple[RunState, dict]:
+    """(the state and data position to train from, the tracker run ids saved with the
+    checkpoint). A foreign checkpointer (resume_from, init_from) is closed afterwards; a fresh
+    state is made only when nothing is restored, so a run never holds two."""
     if start.kind == "fresh":
-        return 0, {}
+        return RunState(run.init_state()), {}
     try:
-        restored = start.checkpointer.restore(run.state, _checker(run, start, say),
+        restored = start.checkpointer.restore(run.abstract_state, _checker(run, start, say),
                                               params_only=start.kind == "init", step=start.step, warn=say)
     finally:
         if start.checkpointer.read_only:
@@ -74,31 +74,22 @@ def apply(start: Start, run, say: Callable[[str], None]) -> tuple[int, dict]:
     if restored is None:
         if start.field:
             raise RunError(f"{start.field}: no usable checkpoint in {start.checkpointer.directory}")
-        return _fresh(run, say)
+        say("no usable checkpoint left; starting from scratch")
+        return RunState(run.init_state()), {}
     if start.kind == "init":
-        run.state, _ = state_lib.init(run.model, run.tx, run.config.train.seed, run.layout, run.guard,
-                                      params=restored.state["params"], offload=run.offload)
         say(f"initialised parameters from {start.checkpointer.directory}/{restored.step}; "
             "fresh optimizer state, step 0")
-        return 0, {}
-    run.state = restored.state
+        return RunState(run.init_state(params=restored.state["params"])), {}
     ids = {} if start.field else restored.position.get("tracking", {})  # another run's trackers stay its own
-    return _position(run, restored, say), ids
+    return _position(restored, run.config.train.global_batch_size, say), ids
 
 
-def _fresh(run, say) -> tuple[int, dict]:
-    say("no usable checkpoint left; starting from scratch")
-    run.state, _ = state_lib.init(run.model, run.tx, run.config.train.seed, run.layout, run.guard,
-                                  offload=run.offload)
-    return 0, {}
-
-
-def _position(run, restored, say) -> int:
-    sample, batch = restored.position["global_sample"], run.config.train.global_batch_size
-    step = int(jax.device_get(run.state.step))
-    say(f"resuming from step {step} (checkpoint {restored.step}, global sample {sample:,})")
+def _position(restored, batch: int, say) -> RunState:
+    """The restored state at its data position (the index of the next batch) and rollbacks."""
+    sample = restored.position["global_sample"]
+    live = RunState(restored.state, sample // batch, restored.position.get("rollbacks", 0))
+    say(f"resuming from step {live.step} (checkpoint {restored.step}, global sample {sample:,})")
     if sample % batch:
         say(f"note: the data position (sample {sample:,}) is not a multiple of train.global_batch_size={batch}; "
             f"continuing at sample {sample // batch * batch:,}")
-    return sample // batch
-
+    return live

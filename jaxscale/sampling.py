@@ -29,6 +29,7 @@ def generate(model, params: dict, prompt_ids: Sequence[int], max_new_tokens: int
     prompt = _checked(model.spec, prompt_ids, max_new_tokens, temperature, top_k)
     if max_new_tokens == 0:
         return []
+    model = model.unsharded()  # decoding runs one program at any batch size, whatever the training strategy
     ids = _generate(model, params, jnp.asarray(prompt, jnp.int32), jnp.float32(temperature),
                     jax.random.PRNGKey(seed), max_new_tokens=max_new_tokens, top_k=top_k,
                     greedy=temperature == 0, dtype=jnp.dtype(dtype))

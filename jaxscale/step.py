@@ -1,9 +1,14 @@
-"""Pure train and eval steps: mixed precision, in-graph gradient accumulation, jitted once."""
+"""Pure train and eval steps: mixed precision, in-graph gradient accumulation, jitted once.
+
+    spec = StepSpec(model, tx, schedule, layout, state_shardings, dtype=jnp.bfloat16, accum_steps=4)
+    step = jit_train_step(spec)          # (state, batch) -> (state, metrics); the old state donated
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -11,49 +16,54 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxscale import guard as guard_lib
+from jaxscale import state as state_lib
 from jaxscale.guard import GuardSpec
 from jaxscale.models import LanguageModel
 from jaxscale.models.precision import compute_dtype  # noqa: F401  (re-exported for callers)
 from jaxscale.offload import has_host, on_device
 from jaxscale.parallel import microbatch
-from jaxscale.parallel.context import AXIS as SEQUENCE, zigzag_order
 from jaxscale.sharding import Layout
 from jaxscale.state import TrainState
 
 Batch = dict[str, jax.Array]  # {'inputs', 'targets'}: int32 [B, L]
 
 
-def loss_fn(params: dict, batch: Batch, model: LanguageModel, dtype, layout: Layout) -> tuple[jax.Array, dict]:
-    """(training objective, metrics): metrics['loss'] is the mean next-token cross entropy; an
-    MoE model adds its router losses, weighted, to the objective and its router statistics
-    (model.stat_names) to the metrics. The forward runs in `dtype`, the loss in float32."""
-    cast = jax.tree.map(lambda p: p.astype(dtype), params)
-    inputs, targets, positions = _sequence_layout(batch, layout)
-    with layout.activate():  # activations are placed by the layout's rules while tracing
-        logits_BLV, stats = model.apply_with_stats(cast, inputs, positions)
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets).mean()
-    return (loss + model.router_loss(stats) if stats else loss), {"loss": loss, **stats}
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepSpec:
+    """Everything a train or eval step is built from."""
+
+    model: LanguageModel
+    tx: optax.GradientTransformation
+    schedule: optax.Schedule
+    layout: Layout
+    state_shardings: TrainState          # where every leaf of the state lives (host memory too)
+    dtype: Any = jnp.float32             # compute dtype of the forward and backward
+    accum_steps: int = 1                 # microbatches per step, accumulated in-graph
+    guard: GuardSpec = GuardSpec()
+
+    @functools.cached_property
+    def grad_shardings(self) -> dict:
+        """Where gradients live after the backward pass: split over `data` from ZeRO stage 2."""
+        return state_lib.grad_shardings(self.model, self.layout)
+
+    @property
+    def placement(self) -> TrainState | None:
+        """The state's shardings when some leaves live in host memory (brought to the devices in
+        the step), else None."""
+        return self.state_shardings if has_host(self.state_shardings) else None
 
 
-def _sequence_layout(batch: Batch, layout: Layout):
-    """(inputs, targets, positions): in zig-zag order when the sequence is split over devices.
-
-    Reordering tokens, targets and positions together leaves the model's function unchanged
-    (RoPE and the causal mask follow positions) and the mean loss identical.
-    """
-    inputs, targets = batch["inputs"], batch["targets"]
-    length, shards = inputs.shape[1], layout.mesh.shape[SEQUENCE]
-    if shards == 1:
-        return inputs, targets, None
-    order = zigzag_order(length, shards)
-    positions = jnp.broadcast_to(jnp.asarray(order, jnp.int32), inputs.shape)
-    return inputs[:, order], targets[:, order], positions
+def loss_fn(params: dict, batch: Batch, spec: StepSpec) -> tuple[jax.Array, dict]:
+    """(training objective, metrics) of model.loss, the forward in spec.dtype and the loss in
+    float32, activations placed by the layout's rules."""
+    cast = jax.tree.map(lambda p: p.astype(spec.dtype), params)
+    with spec.layout.activate():  # sharding constraints only: the algorithms are the model's strategy
+        return spec.model.loss(cast, batch["inputs"], batch["targets"])
 
 
-def _grad_fn(model, dtype, layout: Layout):
+def _grad_fn(spec: StepSpec):
     """(params, batch) -> (metrics of loss_fn, gradients of the training objective)."""
-    value_and_grad = jax.value_and_grad(functools.partial(loss_fn, model=model, dtype=dtype, layout=layout),
-                                        has_aux=True)
+    value_and_grad = jax.value_and_grad(functools.partial(loss_fn, spec=spec), has_aux=True)
 
     def fn(params, batch):
         (_, metrics), grads = value_and_grad(params, batch)
@@ -62,81 +72,94 @@ def _grad_fn(model, dtype, layout: Layout):
     return fn
 
 
-def _accumulate(params, batch: Batch, grad_fn, count: int, names: tuple[str, ...]):
-    """Mean (metrics, grads) over microbatches, summed in float32; `names` are the metrics'."""
+def _accumulate(params, batch: Batch, spec: StepSpec):
+    """Mean (metrics, grads) over spec.accum_steps microbatches, summed in float32."""
+    grad_fn, names = _grad_fn(spec), ("loss",) + spec.model.stat_names
+
     def add(carry, micro):
         return jax.tree.map(jnp.add, carry, grad_fn(params, micro)), None
 
     zeros = ({name: jnp.zeros((), jnp.float32) for name in names}, jax.tree.map(jnp.zeros_like, params))
-    total = jax.lax.scan(add, zeros, microbatch.split_tree(batch, count))[0]
-    return jax.tree.map(lambda x: x / count, total)
+    total = jax.lax.scan(add, zeros, microbatch.split_tree(batch, spec.accum_steps))[0]
+    return jax.tree.map(lambda x: x / spec.accum_steps, total)
 
 
-def _accumulate_per_replica(params, batch: Batch, model, dtype, count: int, layout: Layout):
+def _accumulate_per_replica(params, batch: Batch, spec: StepSpec):
     """Accumulate inside shard_map over `data`: each replica sums its microbatch gradients
     locally and they are reduced across `data` once per step, not once per microbatch.
     Inside, the replica's rows stay split over the other batch axes (fsdp, expert) as usual."""
-    grad_fn, names = _grad_fn(model, dtype, layout), ("loss",) + model.stat_names
-
     def local(params, batch):
-        return jax.lax.pmean(_accumulate(params, batch, grad_fn, count, names), "data")
+        return jax.lax.pmean(_accumulate(params, batch, spec), "data")
 
     # check_vma=False: gradients of the replicated params stay per-device until the pmean.
-    return jax.shard_map(local, mesh=layout.mesh, in_specs=(P(), P("data")), out_specs=P(),
+    return jax.shard_map(local, mesh=spec.layout.mesh, in_specs=(P(), P("data")), out_specs=P(),
                          axis_names={"data"}, check_vma=False)(params, batch)
 
 
-def loss_and_grads(params, batch: Batch, model, dtype, accum_steps: int, layout: Layout):
+def loss_and_grads(params, batch: Batch, spec: StepSpec):
     """Mean metrics ('loss' and the router statistics, see loss_fn) and gradients over
-    `accum_steps` microbatches."""
-    if accum_steps > 1 and layout.zero_stage < 3:
-        return _accumulate_per_replica(params, batch, model, dtype, accum_steps, layout)
-    grad_fn = _grad_fn(model, dtype, layout)
-    if accum_steps == 1:
-        return grad_fn(params, batch)
+    spec.accum_steps microbatches."""
+    if spec.accum_steps == 1:
+        return _grad_fn(spec)(params, batch)
+    if spec.layout.zero_stage < 3:
+        return _accumulate_per_replica(params, batch, spec)
     # ZeRO-3: parameters are split over `data` too, so each microbatch gathers them; no shard_map.
-    return _accumulate(params, batch, grad_fn, accum_steps, ("loss",) + model.stat_names)
+    return _accumulate(params, batch, spec)
 
 
-def train_step(state: TrainState, batch: Batch, *, model, tx, schedule, dtype, accum_steps, layout, grad_shardings,
-               guard: GuardSpec = GuardSpec(), placement: TrainState | None = None):
-    """One optimizer update, unless the guard rejects it. Returns the new state and scalar metrics.
-    `placement` (the state's shardings, when some live in host memory) brings them to the devices."""
-    if placement is not None:
-        state = dataclasses.replace(state, params=on_device(state.params, placement.params),
-                                    opt_state=on_device(state.opt_state, placement.opt_state))
-    stats, grads = loss_and_grads(state.params, batch, model, dtype, accum_steps, layout)
+def _on_device(state: TrainState, spec: StepSpec) -> TrainState:
+    """The state with offloaded leaves brought to device memory (unchanged without offload)."""
+    if spec.placement is None:
+        return state
+    return dataclasses.replace(state, params=on_device(state.params, spec.placement.params),
+                               opt_state=on_device(state.opt_state, spec.placement.opt_state))
+
+
+def train_step(state: TrainState, batch: Batch, spec: StepSpec):
+    """One optimizer update, unless the guard rejects it. Returns the new state and scalar metrics."""
+    state = _on_device(state, spec)
+    stats, grads = loss_and_grads(state.params, batch, spec)
     loss = stats.pop("loss")  # what remains: an MoE model's router statistics
-    grads = jax.lax.with_sharding_constraint(grads, grad_shardings)  # ZeRO-2: reduce-scatter, not all-reduce
+    grads = jax.lax.with_sharding_constraint(grads, spec.grad_shardings)  # ZeRO-2: split over data
     grad_norm = optax.tree.norm(grads)
-    accept, spike, guard_state = guard_lib.decide(guard, state.guard, loss, grad_norm)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    accept, spike, guard_state = guard_lib.decide(spec.guard, state.guard, loss, grad_norm)
+    updates, opt_state = spec.tx.update(grads, state.opt_state, state.params)
     params, opt_state = guard_lib.select(accept, (optax.apply_updates(state.params, updates), opt_state),
                                          (state.params, state.opt_state))
     new = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                      rng=jax.random.fold_in(state.rng, state.step), guard=guard_state)
-    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step),
+    metrics = {"loss": loss, "grad_norm": grad_norm, "lr": spec.schedule(state.step),
                "tokens": jnp.asarray(batch["targets"].size, jnp.int32), "spike": spike,
                "nonfinite_skips": guard_state["nonfinite"], "spike_skips": guard_state["spikes"], **stats}
     return new, metrics
 
 
-def jit_train_step(model, tx, schedule, dtype, accum_steps: int, layout: Layout,
-                   state_shardings: TrainState, grad_shardings, guard: GuardSpec = GuardSpec()):
-    """train_step jitted once with explicit shardings; the old state is donated."""
-    step = functools.partial(train_step, model=model, tx=tx, schedule=schedule, dtype=dtype,
-                             accum_steps=accum_steps, layout=layout, grad_shardings=grad_shardings, guard=guard,
-                             placement=state_shardings if has_host(state_shardings) else None)
-    replicated = NamedSharding(layout.mesh, P())
-    # Outputs go back where the inputs came from: offloaded state returns to host memory.
-    return jax.jit(step, in_shardings=(state_shardings, layout.batch_sharding()),
-                   out_shardings=(state_shardings, replicated), donate_argnums=0)
+def jit_train_step(spec: StepSpec):
+    """train_step jitted once with explicit shardings; the old state is donated. Outputs go back
+    where the inputs came from: offloaded state returns to host memory."""
+    replicated = NamedSharding(spec.layout.mesh, P())
+    return jax.jit(functools.partial(train_step, spec=spec),
+                   in_shardings=(spec.state_shardings, spec.layout.batch_sharding()),
+                   out_shardings=(spec.state_shardings, replicated), donate_argnums=0)
 
 
-def jit_eval_step(model, dtype, layout: Layout, params_shardings):
-    """Mean validation loss (cross entropy) of one batch."""
+def jit_eval_step(spec: StepSpec):
+    """Mean validation loss (cross entropy) of one batch: (params, batch) -> loss."""
+    params_shardings = spec.state_shardings.params
+
     def fn(params, batch):
-        return loss_fn(on_device(params, params_shardings), batch, model, dtype, layout)[1]["loss"]
+        return loss_fn(on_device(params, params_shardings), batch, spec)[1]["loss"]
 
-    replicated = NamedSharding(layout.mesh, P())
-    return jax.jit(fn, in_shardings=(params_shardings, layout.batch_sharding()), out_shardings=replicated)
+    replicated = NamedSharding(spec.layout.mesh, P())
+    return jax.jit(fn, in_shardings=(params_shardings, spec.layout.batch_sharding()), out_shardings=replicated)
+
+
+def jit_grad_step(spec: StepSpec):
+    """(params, batch) -> gradients as the train step leaves them before the update (constrained
+    to spec.grad_shardings), with the output placement left to the compiler: compiling it shows
+    where the compiler keeps gradients and how many bytes each device holds."""
+    def fn(params, batch):
+        grads = loss_and_grads(on_device(params, spec.state_shardings.params), batch, spec)[1]
+        return jax.lax.with_sharding_constraint(grads, spec.grad_shardings)
+
+    return jax.jit(fn, in_shardings=(spec.state_shardings.params, spec.layout.batch_sharding()))

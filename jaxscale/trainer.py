@@ -24,14 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxscale import inspection, loop
-from jaxscale.models.precision import compute_dtype
+from jaxscale.session import open_session
 
 
 class Trainer:
     def __init__(self, config, workdir: str | Path, devices=None, show_progress: bool = False):
         self.config, self.workdir = config, Path(workdir)
         self._stack = contextlib.ExitStack()
-        self._session = self._stack.enter_context(loop.open_session(config, self.workdir, show_progress, devices))
+        self._session = self._stack.enter_context(open_session(config, self.workdir, show_progress, devices))
         self._records = {r["step"]: r for r in _earlier_records(self.workdir)}
 
     @classmethod
@@ -62,25 +62,25 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Mean loss over the held-out batches (train.eval_batches of them)."""
-        return loop.evaluate(self._session.run, self._session.val_batches())
+        return loop.evaluate(self._session)
 
     def save(self) -> int:
         """Checkpoint the current state now and wait for it to commit; returns its step."""
         step = self.step
         self._session.save(step)
-        self._session.checkpointer.wait()
+        self._session.services.checkpointer.wait()
         return step
 
     # -- looking at the run --------------------------------------------------------------------
 
     @property
     def step(self) -> int:
-        return int(jax.device_get(self._session.run.state.step))
+        return self._session.live.step
 
     @property
     def state(self):
         """The TrainState (params, opt_state, step, rng, guard), sharded on the run's mesh."""
-        return self._session.run.state
+        return self._session.live.state
 
     @property
     def mesh(self):
@@ -111,9 +111,9 @@ class Trainer:
         run = self._session.run
         tokens = jnp.asarray(tokens, jnp.int32)
         tokens = tokens[None] if tokens.ndim == 1 else tokens
-        dtype = compute_dtype(run.config.model.dtype)
-        apply = jax.jit(lambda p, t: run.model.apply(jax.tree.map(lambda x: x.astype(dtype), p), t))
-        return np.asarray(apply(run.device_params(), tokens))
+        model, dtype = run.model.unsharded(), run.step_spec.dtype  # any batch size, outside the training layout
+        apply = jax.jit(lambda p, t: model.apply(jax.tree.map(lambda x: x.astype(dtype), p), t))
+        return np.asarray(apply(self._device_params(), tokens))
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 100, temperature: float = 0.0,
                  top_k: int = 0, seed: int = 0) -> str:
@@ -121,12 +121,15 @@ class Trainer:
         at temperature 0, else sampled (from the top_k most likely tokens when top_k > 0)."""
         from jaxscale import sampling
 
-        run = self._session.run
-        tokenizer = run.data.tokenizer
+        session = self._session
+        tokenizer = session.data.tokenizer
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        new = sampling.generate(run.model, run.device_params(), ids, max_new_tokens, temperature=temperature,
-                                top_k=top_k, seed=seed, dtype=compute_dtype(run.config.model.dtype))
+        new = sampling.generate(session.run.model, self._device_params(), ids, max_new_tokens,
+                                temperature=temperature, top_k=top_k, seed=seed, dtype=session.run.step_spec.dtype)
         return tokenizer.decode(new)
+
+    def _device_params(self) -> dict:
+        return self._session.run.device_params(self._session.live.state.params)
 
     # -- lifetime ------------------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 import jax.numpy as jnp
 
-from jaxscale.loop import setup
+from jaxscale.build import build
 from jaxscale.models.attention import resolve_impl
 
 
@@ -18,7 +18,7 @@ def test_auto_and_fallbacks():
 
 def test_run_reports_the_fallback(tiny_config):
     tiny_config.model.attention.impl = "cudnn"
-    run = setup(tiny_config)
+    run = build(tiny_config)
     assert run.model.spec.attention_impl == "xla"
     assert [n for n in run.notes if n.startswith("warning:")] == [
         "warning: model.attention.impl=cudnn falls back to xla: cuDNN attention needs an NVIDIA GPU (platform is cpu)"]

@@ -11,7 +11,8 @@ import pytest
 from conftest import small_config
 from jaxscale.checkpoint import CORRUPT_DIR, Checkpointer
 from jaxscale.errors import ConfigError
-from jaxscale.loop import setup, train
+from jaxscale.build import build
+from jaxscale.loop import train
 from jaxscale.workdir import WorkdirLock
 
 
@@ -21,11 +22,11 @@ def _committed(workdir):
 
 def _restore(config, workdir, devices=None, **kwargs):
     """(Restored, warnings) of workdir's newest good step, restored onto config's mesh."""
-    run = setup(config, devices, init=False)
+    run = build(config, devices)
     warnings = []
     checkpointer = Checkpointer(workdir / "checkpoints", config.checkpoint)
     try:
-        return checkpointer.restore(run.state, warn=warnings.append, **kwargs), warnings
+        return checkpointer.restore(run.abstract_state, warn=warnings.append, **kwargs), warnings
     finally:
         checkpointer.close()
 

@@ -101,10 +101,10 @@ CHECK = """
 import sys
 from jaxscale import cli
 from jaxscale.checkpoint import Checkpointer
-from jaxscale.loop import setup
+from jaxscale.build import build
 config = cli.load_config("configs/tiny.py", [])
-run = setup(config, init=False)
-restored = Checkpointer(sys.argv[1], config.checkpoint).restore(run.state)
+run = build(config)
+restored = Checkpointer(sys.argv[1], config.checkpoint).restore(run.abstract_state)
 print("restored step", restored.step, "global sample", restored.position["global_sample"])
 """
 

@@ -9,7 +9,9 @@ import numpy as np
 
 from jaxscale import guard as guard_lib
 from jaxscale.guard import GuardSpec
-from jaxscale.loop import setup, train
+from jaxscale.build import build
+from jaxscale.data import make_data
+from jaxscale.loop import train
 
 
 def _guard(losses, seen):
@@ -43,11 +45,12 @@ def test_decide_counts_skips_and_keeps_rejected_losses_out_of_the_window():
 
 
 def test_a_nonfinite_step_leaves_params_and_optimizer_state_unchanged(tiny_config):
-    run = setup(tiny_config)
-    batch = next(run.data.train_batches(0))
-    poisoned = dict(run.state.params, embed=run.state.params["embed"].at[batch["inputs"][0, 0]].set(jnp.nan))
-    before = jax.device_get(dict(params=poisoned, opt_state=run.state.opt_state))
-    state, metrics = run.train_step(type(run.state)(**{**vars(run.state), "params": poisoned}), batch)
+    run = build(tiny_config)
+    batch = next(make_data(tiny_config, run.batch_sharding).train_batches(0))
+    fresh = run.init_state()
+    poisoned = dict(fresh.params, embed=fresh.params["embed"].at[batch["inputs"][0, 0]].set(jnp.nan))
+    before = jax.device_get(dict(params=poisoned, opt_state=fresh.opt_state))
+    state, metrics = run.train_step(type(fresh)(**{**vars(fresh), "params": poisoned}), batch)
     assert not np.isfinite(float(metrics["loss"])) and int(metrics["nonfinite_skips"]) == 1
     assert int(state.step) == 1
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(dict(params=state.params, opt_state=state.opt_state)),

@@ -15,10 +15,10 @@ from jaxscale import config as config_lib
 from jaxscale import metrics as metrics_lib
 from jaxscale import state as state_lib
 from jaxscale.errors import ConfigError
-from jaxscale.models import LanguageModel, ModelSpec
+from jaxscale.models import LanguageModel, ModelSpec, Strategy
 from jaxscale.models.moe import MoE, MoESpec, expert_mlp, route
 from jaxscale.optim import make_optimizer
-from jaxscale.step import jit_train_step
+from jaxscale.step import StepSpec, jit_train_step
 
 # 4 layers in groups of 2 (dense, then MoE); 8 experts, top-2. A capacity factor of
 # num_experts/top_k gives every expert room for a whole sequence: nothing is ever dropped.
@@ -99,11 +99,10 @@ def _batch(rows=16, length=32, seed=0):
 
 def _run(layout, spec=SPEC, accum=1, steps=2):
     """Metrics of `steps` updates of `spec` on `layout` (fp32)."""
-    model = LanguageModel(spec)
+    model = LanguageModel(ModelSpec(**{**spec.__dict__, "strategy": Strategy.for_layout(layout)}))
     tx, schedule = make_optimizer(config_lib.defaults().optim, 10)
     state, shardings = state_lib.init(model, tx, 0, layout)
-    step = jit_train_step(model, tx, schedule, jnp.float32, accum, layout, shardings,
-                          state_lib.grad_shardings(model, layout))
+    step = jit_train_step(StepSpec(model, tx, schedule, layout, shardings, jnp.float32, accum))
     history = []
     for i in range(steps):
         state, metrics = step(state, jax.device_put(_batch(seed=i), layout.batch_sharding()))

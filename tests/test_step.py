@@ -1,5 +1,6 @@
 """The jitted train step: device-count independence, accumulation, one reduction per step."""
 
+import dataclasses
 import re
 
 import jax
@@ -11,10 +12,10 @@ from jax.sharding import PartitionSpec as P
 from conftest import make_layout
 from jaxscale import state as state_lib
 from jaxscale.config import defaults
-from jaxscale.models import LanguageModel, ModelSpec
+from jaxscale.models import LanguageModel, ModelSpec, Strategy
 from jaxscale.optim import make_optimizer
 from jaxscale.sharding import Layout, rules_from_config
-from jaxscale.step import compute_dtype, jit_train_step
+from jaxscale.step import StepSpec, compute_dtype, jit_train_step
 
 SPEC = ModelSpec(num_layers=2, d_model=64, num_heads=8, num_kv_heads=4, d_ff=128)
 
@@ -33,13 +34,18 @@ def _layout(devices=None, zero_stage=0, sequence_parallel=False, spec=SPEC, **si
     return Layout.of(mesh, rules, zero_stage)
 
 
-def _run(layout, accum, optim_cfg, steps=2, rows=32, vary=True, dtype=jnp.float32, spec=SPEC):
+def _model(spec, layout, **strategy):
+    """The model of `spec` with the parallel strategy of `layout` (see Strategy.for_layout)."""
+    return LanguageModel(dataclasses.replace(spec, strategy=Strategy.for_layout(layout, **strategy)))
+
+
+def _run(layout, accum, optim_cfg, steps=2, rows=32, vary=True, dtype=jnp.float32, spec=SPEC, strategy=None):
     """(metrics per step, final params, step fn, state, last batch) of `steps` updates."""
-    model = LanguageModel(spec)
+    model = _model(spec, layout, **(strategy or {}))
     tx, schedule = make_optimizer(optim_cfg, 10)
     state, shardings = state_lib.init(model, tx, 0, layout)
     shd = layout.batch_sharding()
-    step = jit_train_step(model, tx, schedule, dtype, accum, layout, shardings, state_lib.grad_shardings(model, layout))
+    step = jit_train_step(StepSpec(model, tx, schedule, layout, shardings, dtype, accum))
     history = []
     for i in range(steps):
         batch = jax.device_put(_batch(rows, seed=i if vary else 0), shd)
@@ -89,7 +95,8 @@ def test_every_layout_equals_one_device(reference, optim_cfg, name):
     _assert_same(_run(_layout(**LAYOUTS[name]), 1, optim_cfg, steps=3), reference, rtol=1e-5)
 
 
-DEEP = ModelSpec(**{**SPEC.__dict__, "num_layers": 4, "pipeline_microbatches": 4})
+DEEP = ModelSpec(**{**SPEC.__dict__, "num_layers": 4})
+GPIPE = dict(microbatches=4)
 
 
 @pytest.fixture(scope="module")
@@ -102,18 +109,21 @@ def deep_reference(optim_cfg):
                          ids=["pipeline2", "pipeline4", "data2_pipeline2_tensor2", "pipeline2_fsdp2_sequence2_zero1"])
 def test_gpipe_equals_one_device(deep_reference, optim_cfg, sizes):
     """Loss, grad norm and parameters after 3 steps equal the unpipelined run (fp32, 1e-5)."""
-    _assert_same(_run(_layout(spec=DEEP, **sizes), 1, optim_cfg, steps=3, spec=DEEP), deep_reference, rtol=1e-5)
+    _assert_same(_run(_layout(spec=DEEP, **sizes), 1, optim_cfg, steps=3, spec=DEEP, strategy=GPIPE), deep_reference,
+                 rtol=1e-5)
 
 
 def test_bfloat16_pipeline_compiles_on_cpu_and_matches(optim_cfg):
     """bf16 compute through GPipe: XLA:CPU's all-reduce promotion pass used to abort the process
     on this program; it now runs and gives the unpipelined bf16 loss and grad norm."""
     one = _run(_layout(1, spec=DEEP), 1, optim_cfg, steps=1, dtype=jnp.bfloat16, spec=DEEP)
-    piped = _run(_layout(data=2, pipeline=2, spec=DEEP), 1, optim_cfg, steps=1, dtype=jnp.bfloat16, spec=DEEP)
+    piped = _run(_layout(data=2, pipeline=2, spec=DEEP), 1, optim_cfg, steps=1, dtype=jnp.bfloat16, spec=DEEP,
+                 strategy=GPIPE)
     _assert_same(piped, one, rtol=1e-2, params=False)
 
 
-DEEPER = ModelSpec(**{**SPEC.__dict__, "num_layers": 8, "pipeline_microbatches": 4, "pipeline_virtual_stages": 2})
+DEEPER = ModelSpec(**{**SPEC.__dict__, "num_layers": 8})
+CIRCULAR = dict(schedule="circular", microbatches=4, virtual_stages=2)
 
 
 @pytest.mark.parametrize("sizes", [dict(pipeline=2), dict(pipeline=4), dict(data=2, pipeline=2, tensor=2)],
@@ -121,17 +131,19 @@ DEEPER = ModelSpec(**{**SPEC.__dict__, "num_layers": 8, "pipeline_microbatches":
 def test_circular_equals_one_device(optim_cfg, sizes):
     """The circular schedule (V=2) after 3 steps equals the unpipelined model."""
     reference = _run(_layout(1, spec=DEEPER), 1, optim_cfg, steps=3, spec=DEEPER)
-    _assert_same(_run(_layout(spec=DEEPER, **sizes), 1, optim_cfg, steps=3, spec=DEEPER), reference, rtol=1e-5)
+    _assert_same(_run(_layout(spec=DEEPER, **sizes), 1, optim_cfg, steps=3, spec=DEEPER, strategy=CIRCULAR), reference,
+                 rtol=1e-5)
 
 
 def test_gpipe_with_accumulation(deep_reference, optim_cfg):
-    _assert_same(_run(_layout(data=2, pipeline=2, spec=DEEP), 2, optim_cfg, steps=3, spec=DEEP), deep_reference, rtol=1e-5)
+    _assert_same(_run(_layout(data=2, pipeline=2, spec=DEEP), 2, optim_cfg, steps=3, spec=DEEP, strategy=GPIPE),
+                 deep_reference, rtol=1e-5)
 
 
 @pytest.mark.parametrize("mode", ["all_gather", "ring"])
 def test_context_parallel_modes_with_accumulation(reference, optim_cfg, mode):
-    spec = ModelSpec(**{**SPEC.__dict__, "context_parallel": mode})
-    _assert_same(_run(_layout(data=2, sequence=4), 2, optim_cfg, steps=3, spec=spec), reference, rtol=1e-5)
+    _assert_same(_run(_layout(data=2, sequence=4), 2, optim_cfg, steps=3, strategy=dict(context=mode)), reference,
+                 rtol=1e-5)
 
 
 def test_kv_heads_fewer_than_tensor_are_replicated(optim_cfg):
@@ -188,8 +200,7 @@ def test_remat_policies_trade_compiled_memory(optim_cfg):
         model = LanguageModel(ModelSpec(num_layers=4, d_model=64, num_heads=4, num_kv_heads=4, d_ff=256, remat=remat))
         tx, schedule = make_optimizer(optim_cfg, 10)
         state, shardings = state_lib.abstract(model, tx, layout)
-        step = jit_train_step(model, tx, schedule, jnp.float32, 1, layout, shardings,
-                              state_lib.grad_shardings(model, layout))
+        step = jit_train_step(StepSpec(model, tx, schedule, layout, shardings))
         compiled = step.lower(state, {"inputs": tokens, "targets": tokens}).compile()
         temp[remat] = compiled.memory_analysis().temp_size_in_bytes
     assert temp["none"] > 1.5 * temp["dots_saveable"] and temp["dots_saveable"] > 1.5 * temp["full"], temp

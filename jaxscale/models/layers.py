@@ -12,7 +12,7 @@ from flax import nnx
 
 from jaxscale.models.attention import cached_attention, causal_attention, write_cache
 from jaxscale.parallel import context
-from jaxscale.sharding import active_layout, constrain
+from jaxscale.sharding import constrain
 
 # Logical names of activations (see jaxscale.sharding): the residual stream, and the inside of
 # tensor-parallel regions.
@@ -85,7 +85,7 @@ class Attention(nnx.Module):
         self.wv = normal(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
         self.wo = normal(rngs, (H, E, D), ("heads", "head_dim", "embed"), out_std)
         self.use_rope, self.theta = cfg.family == "llama", cfg.rope_theta
-        self.impl, self.context_parallel = cfg.attention_impl, cfg.context_parallel
+        self.impl, self.strategy = cfg.attention_impl, cfg.strategy
         if cfg.family == "gpt2":
             self.bias_q = zeros((H, E), ("heads", "head_dim"))
             self.bias_k = zeros((K, E), ("kv_heads", "head_dim"))
@@ -107,12 +107,11 @@ class Attention(nnx.Module):
         if self.use_rope:
             q_BLHE = rope(q_BLHE, positions_BL, self.theta)
             k_BLKE = rope(k_BLKE, positions_BL, self.theta)
-        layout = active_layout()
         if cache is not None:
             cache = dict(k=write_cache(cache["k"], k_BLKE, positions_BL), v=write_cache(cache["v"], v_BLKE, positions_BL))
             out_BLHE = cached_attention(q_BLHE, cache["k"], cache["v"], positions_BL)
-        elif layout is not None and layout.mesh.shape[context.AXIS] > 1:
-            out_BLHE = context.attention(q_BLHE, k_BLKE, v_BLKE, positions_BL, layout.mesh, self.context_parallel)
+        elif self.strategy.context != "none":  # tokens in zig-zag order (see LanguageModel.loss)
+            out_BLHE = context.attention(q_BLHE, k_BLKE, v_BLKE, positions_BL, self.strategy.mesh, self.strategy.context)
         else:
             out_BLHE = causal_attention(q_BLHE, k_BLKE, v_BLKE, self.impl)
         out_BLHE = constrain(out_BLHE, ("batch", "act_length", "act_heads", "head_dim"))

@@ -32,8 +32,9 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.models.layers import normal, zeros
+from jaxscale.models.strategy import Strategy
 from jaxscale.parallel import constrain as constrain_spec, current_mesh
-from jaxscale.sharding import active_layout, constrain
+from jaxscale.sharding import constrain
 
 AXIS = "expert"
 STATS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # per-step metrics, means over the MoE layers
@@ -117,7 +118,7 @@ class MoE(nnx.Module):
         m = cfg.moe
         D, X, F = cfg.d_model, m.num_experts, m.d_ff or cfg.d_ff
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
-        self.spec, self.llama = m, cfg.family == "llama"
+        self.spec, self.llama, self.strategy = m, cfg.family == "llama", cfg.strategy
         self.router = normal(rngs, (D, X), ("embed", "router"), cfg.init_std)
         if self.llama:
             self.w_gate = normal(rngs, (X, D, F), EXPERT_AXES["w_gate"], cfg.init_std)
@@ -139,7 +140,7 @@ class MoE(nnx.Module):
         routing = route(constrain(logits_BLX, ("batch", "act_length", None)), self.spec.top_k,
                         capacity(x_BLD.shape[1], self.spec))
         out_BLD = dispatch_combine(x_BLD, routing, self.experts(), self.spec.num_experts,
-                                   capacity(x_BLD.shape[1], self.spec), self.llama)
+                                   capacity(x_BLD.shape[1], self.spec), self.llama, self.strategy)
         return out_BLD, dict(zip(STATS, (routing.aux_loss, routing.z_loss, routing.dropped)))
 
 
@@ -211,15 +212,15 @@ def _gather_weights(w: dict, specs: dict) -> dict:
     return {name: whole(x, specs[name]) for name, x in w.items()}
 
 
-def dispatch_combine(x_BLD, routing: Routing, w: dict, num_experts: int, cap: int, llama: bool):
-    """sum_k weight_k * expert_k(x) for every token, the experts split over `expert` when the
-    active layout has that axis (all-to-all inside shard_map), else on this program's devices."""
+def dispatch_combine(x_BLD, routing: Routing, w: dict, num_experts: int, cap: int, llama: bool,
+                     strategy: Strategy = Strategy()):
+    """sum_k weight_k * expert_k(x) for every token: with strategy.experts=all_to_all the experts
+    are split over `expert` (all-to-all inside shard_map), else they run on this program's devices."""
     slots, weights = _slots(routing, num_experts, cap), routing.weights
-    layout = active_layout()
-    groups = 1 if layout is None else layout.mesh.shape[AXIS]
-    run = functools.partial(_local, num_experts=num_experts, cap=cap, llama=llama, groups=groups)
-    if groups == 1:
-        return run(x_BLD, slots, weights, w)
+    if strategy.experts == "local":
+        return _local(x_BLD, slots, weights, w, num_experts=num_experts, cap=cap, llama=llama, groups=1)
+    layout = strategy.layout
+    run = functools.partial(_local, num_experts=num_experts, cap=cap, llama=llama, groups=layout.mesh.shape[AXIS])
     context = jax.sharding.get_abstract_mesh()
     here = layout.inside(*(() if context.empty else context.manual_axes))  # axes still to split here
     batch = _entries(here.spec(("batch",)), 1)[0]  # the batch axes: manual inside, with `expert`

@@ -10,13 +10,18 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 from flax import nnx
 
+from jaxscale.models.attention import resolve_impl
 from jaxscale.models.layers import (AXES_KEY, INNER, RESIDUAL, Attention, GeluMLP, LayerNorm, RMSNorm,
                                     SwiGLU, normal)
 from jaxscale.models.moe import STATS, MoE, MoESpec
-from jaxscale.parallel import pipeline
-from jaxscale.sharding import active_layout, constrain
+from jaxscale.models.precision import compute_dtype
+from jaxscale.models.strategy import Strategy
+from jaxscale.parallel import context, pipeline
+from jaxscale.sharding import Layout, constrain
 
 REMAT_POLICIES = {
     "full": None,  # save nothing inside a layer: recompute it all in the backward pass
@@ -42,20 +47,16 @@ class ModelSpec:
     init_std: float = 0.02
     remat: str = "none"
     attention_impl: str = "xla"       # a concrete kernel: xla | cudnn (see models.attention.resolve_impl)
-    context_parallel: str = "ring"    # ring | all_gather, used when the mesh splits `sequence`
-    pipeline_microbatches: int = 1    # microbatches in flight when the mesh splits `pipeline`
-    pipeline_virtual_stages: int = 1  # layer chunks per device: 1 = GPipe, >1 = circular schedule
     moe: MoESpec = MoESpec()          # mixture of experts (moe.num_experts 0: every MLP dense)
+    strategy: Strategy = Strategy()   # how the forward splits over devices (default: one program)
 
     @classmethod
-    def from_config(cls, model_cfg, attention_impl: str = "xla", pipeline_cfg=None) -> "ModelSpec":
-        names = {f.name for f in dataclasses.fields(cls)}
-        values = {k: v for k, v in model_cfg.items() if k in names and k != "moe"}
+    def from_config(cls, model_cfg, attention_impl: str = "xla", strategy: Strategy = Strategy()) -> "ModelSpec":
+        names = {f.name for f in dataclasses.fields(cls)} - {"moe", "strategy"}
+        values = {k: v for k, v in model_cfg.items() if k in names}
         if "moe" in model_cfg:
             values["moe"] = MoESpec(**model_cfg.moe.to_dict())
-        pipe = {} if pipeline_cfg is None else {"pipeline_microbatches": pipeline_cfg.microbatches,
-                                                "pipeline_virtual_stages": pipeline_cfg.virtual_stages}
-        return cls(**values, attention_impl=attention_impl, context_parallel=model_cfg.attention.context_parallel, **pipe)
+        return cls(**values, attention_impl=attention_impl, strategy=strategy)
 
 
 def _norm(spec: ModelSpec):
@@ -165,12 +166,11 @@ class Transformer(nnx.Module):
 
             return jax.lax.scan(self._remat(layer), x_BLD, params)[0]
 
-        layout = active_layout()
-        if layout is not None and layout.mesh.shape[pipeline.AXIS] > 1:
-            if self.spec.pipeline_virtual_stages > 1:
-                return pipeline.circular(run_layers, stacked, x_BLD, positions_BL, layout.mesh,
-                                         self.spec.pipeline_microbatches, self.spec.pipeline_virtual_stages)
-            return pipeline.gpipe(run_layers, stacked, x_BLD, positions_BL, layout.mesh, self.spec.pipeline_microbatches)
+        s = self.spec.strategy
+        if s.pipeline == "circular":
+            return pipeline.circular(run_layers, stacked, x_BLD, positions_BL, s.mesh, s.microbatches, s.virtual_stages)
+        if s.pipeline == "gpipe":
+            return pipeline.gpipe(run_layers, stacked, x_BLD, positions_BL, s.mesh, s.microbatches)
         return run_layers(stacked, x_BLD, positions_BL)
 
     def _scan_cached(self, x_BLD, positions_BL, cache):
@@ -255,11 +255,47 @@ class LanguageModel:
 
     def apply_with_stats(self, params: dict, tokens_BL, positions_BL=None):
         """(logits [B, L, V] float32, router statistics: {} for a dense model, else the float32
-        scalars moe.STATS averaged over the MoE layers)."""
-        if positions_BL is None:
-            positions_BL = jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape)
+        scalars moe.STATS averaged over the MoE layers). Tokens in their natural order when
+        positions_BL is None; with a context-parallel strategy they are laid out in zig-zag
+        order for the forward and the logits returned in natural order."""
+        if positions_BL is not None:
+            return self._forward(params, tokens_BL, positions_BL)
+        order = self._token_order(tokens_BL.shape[1])
+        if order is None:
+            return self._forward(params, tokens_BL, jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape))
+        logits_BLV, stats = self._forward(params, tokens_BL[:, order], jnp.broadcast_to(order, tokens_BL.shape))
+        return logits_BLV[:, np.argsort(order)], stats
+
+    def loss(self, params: dict, inputs_BL, targets_BL):
+        """(training objective, metrics): metrics['loss'] is the mean next-token cross entropy;
+        an MoE model adds its router losses, weighted, to the objective and its router
+        statistics (stat_names) to the metrics. With a context-parallel strategy, inputs,
+        targets and positions are reordered together (zig-zag), which leaves the function and
+        the mean loss unchanged and saves putting the logits back in order."""
+        order = self._token_order(inputs_BL.shape[1])
+        positions_BL = None
+        if order is not None:
+            inputs_BL, targets_BL = inputs_BL[:, order], targets_BL[:, order]
+            positions_BL = jnp.broadcast_to(jnp.asarray(order, jnp.int32), inputs_BL.shape)
+        logits_BLV, stats = self.apply_with_stats(params, inputs_BL, positions_BL)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
+        return (loss + self.router_loss(stats) if stats else loss), {"loss": loss, **stats}
+
+    def _token_order(self, length: int) -> np.ndarray | None:
+        """The zig-zag order the context-parallel strategy needs, or None."""
+        s = self.spec.strategy
+        return None if s.context == "none" else context.zigzag_order(length, s.mesh.shape[context.AXIS])
+
+    def _forward(self, params: dict, tokens_BL, positions_BL):
         logits_BLV, _, stats = nnx.merge(self.graphdef, params)(tokens_BL, positions_BL)
         return logits_BLV, stats
+
+    def unsharded(self) -> "LanguageModel":
+        """This model with the default strategy (one program, no manual collectives): for
+        decoding and inspection at any batch size, outside the training layout."""
+        if self.spec.strategy == Strategy():
+            return self
+        return LanguageModel(dataclasses.replace(self.spec, strategy=Strategy()))
 
     @property
     def stat_names(self) -> tuple[str, ...]:
@@ -297,12 +333,13 @@ def _unflatten(flat: dict) -> dict:
     return tree
 
 
-def model_from_config(config, platform: str) -> tuple[LanguageModel, list[str]]:
-    """The model for a run on `platform`, with the attention kernel resolved; notes say what was chosen."""
-    from jaxscale.models.attention import resolve_impl
-    from jaxscale.models.precision import compute_dtype
-
+def model_from_config(config, platform: str, layout: Layout | None = None) -> tuple[LanguageModel, list[str]]:
+    """The model for a run on `platform`, with the attention kernel resolved; notes say what was
+    chosen. Given the run's layout, the model's strategy runs the pipeline schedule, context
+    parallel attention and expert dispatch its mesh needs (see Strategy.for_layout)."""
     m = config.model
     impl, note = resolve_impl(m.attention.impl, platform, compute_dtype(m.dtype, platform), m.d_model // m.num_heads)
-    spec = ModelSpec.from_config(m, impl, config.pipeline)
-    return LanguageModel(spec), [note] if note else []
+    strategy = Strategy() if layout is None else Strategy.for_layout(
+        layout, schedule=config.pipeline.schedule, microbatches=config.pipeline.microbatches,
+        virtual_stages=config.pipeline.virtual_stages, context=m.attention.context_parallel)
+    return LanguageModel(ModelSpec.from_config(m, impl, strategy)), [note] if note else []

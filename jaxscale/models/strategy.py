@@ -1,0 +1,66 @@
+"""The model's parallel strategy: which pipeline schedule, context-parallel attention and expert
+dispatch its forward runs, and over which layout. Part of ModelSpec, so it shows wherever the
+model does; the model never looks at an ambient layout to choose an algorithm.
+
+The default, `Strategy()`, is one program with no manual collectives: the same math on any
+device count (GSPMD still splits it as the sharding constraints say). `Strategy.for_layout`
+turns on the algorithm of each mesh axis that needs one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxscale.sharding import Layout
+
+PIPELINE_SCHEDULES = ("none", "gpipe", "circular")
+CONTEXT_ALGORITHMS = ("none", "ring", "all_gather")
+EXPERT_DISPATCH = ("local", "all_to_all")
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """How the forward pass is split across devices beyond what sharding rules express."""
+
+    layout: Layout | None = None   # the mesh and rules the parallel code paths split over
+    pipeline: str = "none"         # none | gpipe | circular: stages over mesh axis `pipeline`
+    microbatches: int = 1          # pipeline microbatches in flight
+    virtual_stages: int = 1        # layer chunks per device (circular)
+    context: str = "none"          # none | ring | all_gather: attention over mesh axis `sequence`
+    experts: str = "local"         # local | all_to_all: MoE tokens exchanged over mesh axis `expert`
+
+    def __post_init__(self):
+        for name, value, choices, axis in (("pipeline", self.pipeline, PIPELINE_SCHEDULES, "pipeline"),
+                                           ("context", self.context, CONTEXT_ALGORITHMS, "sequence"),
+                                           ("experts", self.experts, EXPERT_DISPATCH, "expert")):
+            if value not in choices:
+                raise ValueError(f"Strategy.{name}={value!r}: choose one of {', '.join(choices)}")
+            if value != choices[0] and (self.layout is None or self.layout.mesh.shape[axis] == 1):
+                raise ValueError(f"Strategy.{name}={value!r} needs a layout whose mesh splits '{axis}'")
+
+    @classmethod
+    def for_layout(cls, layout: Layout, *, schedule: str = "gpipe", microbatches: int = 1,
+                   virtual_stages: int = 1, context: str = "ring") -> "Strategy":
+        """The strategy a run on `layout` uses: each algorithm on where its mesh axis is split."""
+        shape = layout.mesh.shape
+        return cls(layout, pipeline=schedule if shape["pipeline"] > 1 else "none",
+                   microbatches=microbatches if shape["pipeline"] > 1 else 1,
+                   virtual_stages=virtual_stages if shape["pipeline"] > 1 else 1,
+                   context=context if shape["sequence"] > 1 else "none",
+                   experts="all_to_all" if shape["expert"] > 1 else "local")
+
+    @property
+    def mesh(self):
+        return None if self.layout is None else self.layout.mesh
+
+    def describe(self) -> str:
+        """One line for the run summary, e.g. 'pipeline gpipe x4 microbatches, context ring'."""
+        parts = []
+        if self.pipeline != "none":
+            parts.append(f"pipeline {self.pipeline} x{self.microbatches} microbatches"
+                         + (f" x{self.virtual_stages} virtual stages" if self.virtual_stages > 1 else ""))
+        if self.context != "none":
+            parts.append(f"context {self.context}")
+        if self.experts != "local":
+            parts.append(f"experts {self.experts}")
+        return ", ".join(parts) or "none"
