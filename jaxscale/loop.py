@@ -38,6 +38,7 @@ from jaxscale.sharding import Layout, layout_from_config
 from jaxscale.step import compute_dtype, jit_eval_step, jit_train_step
 from jaxscale.tracing import TraceWindow
 from jaxscale.tracking import Tracker
+from jaxscale.validate import validate
 from jaxscale.workdir import WorkdirLock
 
 VERSIONS = {"jaxscale": version("jaxscale"), "jax": jax.__version__, "orbax": version("orbax-checkpoint")}
@@ -82,7 +83,7 @@ def setup(config, devices=None, init: bool = True) -> Run:
     unless given a subset). With init=False the state is left abstract (ShapeDtypeStructs), to be
     restored from a checkpoint without first allocating a fresh one."""
     devices = list(devices or jax.devices())
-    config_lib.validate(config, len(devices), granule_count(devices))
+    validate(config, len(devices), granule_count(devices))
     layout, notes = layout_from_config(config, devices)
     model, model_notes = model_from_config(config, jax.default_backend())
     tx, schedule = make_optimizer(config.optim, config.train.steps)
@@ -377,7 +378,7 @@ def open_session(config, workdir: str | Path, show_progress: bool = True, device
 def _validate(config, devices) -> None:
     """config.validate, with the job's process and device counts added to its errors."""
     try:
-        config_lib.validate(config, len(devices), granule_count(devices))
+        validate(config, len(devices), granule_count(devices))
     except ConfigError as error:
         if jax.process_count() == 1:
             raise

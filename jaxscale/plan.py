@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale import cli
-from jaxscale import config as config_lib
 from jaxscale import profile
 from jaxscale import state as state_lib
 from jaxscale.guard import GuardSpec
@@ -29,6 +28,7 @@ from jaxscale.optim import make_optimizer
 from jaxscale.parallel.pipeline import bubble_fraction
 from jaxscale.sharding import Layout, layout_from_config
 from jaxscale.step import compute_dtype, jit_train_step
+from jaxscale.validate import validate
 
 USAGE = ("usage: python -m jaxscale.plan --config=PATH [--config.section.key=value ...] [--json] "
          "[--device_memory_gb=GB] [--platform=cpu|gpu|tpu]")
@@ -76,7 +76,7 @@ def _planned_model(config, platform: str):
 def compile_plan(config, platform: str, devices=None):
     """(compiled step, layout, abstract state, grad shardings, compile seconds, notes) with no allocation."""
     devices = list(devices or jax.devices())
-    config_lib.validate(config, len(devices), granule_count(devices))
+    validate(config, len(devices), granule_count(devices))
     layout, _ = layout_from_config(config, devices)
     model, notes = _planned_model(config, platform)
     tx, schedule = make_optimizer(config.optim, config.train.steps)
