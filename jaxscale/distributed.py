@@ -20,7 +20,7 @@ import os
 import jax
 import numpy as np
 
-from jaxscale.errors import ConfigError
+from jaxscale.errors import ConfigError, require_positive
 
 LAUNCH_ENV = ("JAXSCALE_COORDINATOR", "JAXSCALE_NUM_PROCESSES", "JAXSCALE_PROCESS_ID")
 
@@ -33,6 +33,11 @@ class Cluster:
     coordinator: str | None = None
     method: str | None = None        # JAX's cluster_detection_method, when JAX detects the rest
     local_device_ids: tuple[int, ...] | None = None  # the GPUs this process drives (None: JAX decides)
+
+
+def check(config) -> None:
+    """The `distributed` timeouts are usable; raises ConfigError naming the field."""
+    require_positive(config, ("distributed.initialization_timeout_s", "distributed.heartbeat_timeout_s"))
 
 
 def _int(env, name: str) -> int | None:

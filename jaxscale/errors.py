@@ -1,4 +1,4 @@
-"""The one error type for bad user input."""
+"""The error types for bad user input and failed runs, and the helpers every config check uses."""
 
 
 class ConfigError(ValueError):
@@ -15,3 +15,34 @@ class ConfigError(ValueError):
 class RunError(RuntimeError):
     """A failure during a run that the user can act on (a full disk, a checkpoint that cannot
     be written): the CLI prints ``str(error)`` as one line and exits with code 1."""
+
+
+def require(ok: bool, field: str, value, fix: str) -> None:
+    """Raise ConfigError(field, value, fix) unless `ok`: the one form every config check takes."""
+    if not ok:
+        raise ConfigError(field, value, fix)
+
+
+def field_value(config, field: str):
+    """The value at a dotted config path such as 'model.moe.num_experts'."""
+    node = config
+    for key in field.split("."):
+        node = node[key]
+    return node
+
+
+def require_positive(config, fields: tuple[str, ...]) -> None:
+    """Every dotted field is > 0; the first that is not raises ConfigError."""
+    for field in fields:
+        require(field_value(config, field) > 0, field, field_value(config, field), "must be > 0")
+
+
+def require_non_negative(config, fields: tuple[str, ...]) -> None:
+    """Every dotted field is >= 0; the first that is not raises ConfigError."""
+    for field in fields:
+        require(field_value(config, field) >= 0, field, field_value(config, field), "must be >= 0")
+
+
+def require_choice(field: str, value, choices: tuple[str, ...]) -> None:
+    """`value` is one of `choices`; else ConfigError listing them."""
+    require(value in choices, field, value, f"choose one of {', '.join(choices)}")

@@ -14,7 +14,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-SPIKE_ACTIONS = ("skip", "rollback")
+from jaxscale.errors import require_choice, require_non_negative, require_positive
+from jaxscale.names import SPIKE_ACTIONS
+
+
+def check(config) -> None:
+    """The `guard` settings are usable; raises ConfigError naming the field."""
+    require_choice("guard.spike_action", config.guard.spike_action, SPIKE_ACTIONS)
+    require_positive(config, ("guard.spike_window",))
+    require_non_negative(config, ("guard.spike_threshold",))
 
 
 @dataclasses.dataclass(frozen=True)

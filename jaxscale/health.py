@@ -28,6 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxscale.errors import require_non_negative
+
+
+def check(config) -> None:
+    """The watchdog and straggler settings (in `distributed`) are usable; raises ConfigError naming the field."""
+    require_non_negative(config, ("distributed.watchdog_seconds", "distributed.straggler_every",
+                                  "distributed.straggler_threshold"))
+
 
 class Watchdog:
     """Call beat() after every step; stop() before waits that have their own bounds."""

@@ -13,13 +13,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from jaxscale.errors import ConfigError
-
-# Outer -> inner: axes that talk least sit outermost so they can cross slow links.
-AXES = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
-# Axes whose devices each hold a different slice of the batch. `expert` splits the experts of
-# MoE layers and the batch everywhere else; MoE layers exchange tokens within an expert group.
-BATCH_AXES = ("data", "fsdp", "expert")
+from jaxscale.errors import ConfigError, require
+from jaxscale.names import AXES, BATCH_AXES  # noqa: F401  (BATCH_AXES: kept importable from here)
 
 
 def resolve_shape(mesh_cfg, device_count: int, field: str = "mesh") -> dict[str, int]:
@@ -35,12 +30,15 @@ def resolve_shape(mesh_cfg, device_count: int, field: str = "mesh") -> dict[str,
     if free:
         if device_count % fixed:
             others = " x ".join(f"{field}.{a}={n}" for a, n in sizes.items() if n > 1)
-            raise ConfigError(f"{field}.{free[0]}", -1, f"the other axes ({others}) multiply to {fixed}, which does not divide {device_count} devices; change them")
+            raise ConfigError(f"{field}.{free[0]}", -1, f"the other axes ({others}) multiply to {fixed}, "
+                              f"which does not divide {device_count} devices; change them")
         sizes[free[0]] = device_count // fixed
     elif fixed != device_count:
         shown = "x".join(f"{a}={s}" for a, s in sizes.items() if s != 1) or "all 1"
         worst = max(sizes, key=sizes.get)
-        raise ConfigError(f"{field}.{worst}", sizes[worst], f"the mesh ({shown}) has {fixed} devices but {device_count} are available; make the axis sizes multiply to {device_count} or set one to -1")
+        raise ConfigError(f"{field}.{worst}", sizes[worst], f"the mesh ({shown}) has {fixed} devices but "
+                          f"{device_count} are available; make the axis sizes multiply to {device_count} "
+                          "or set one to -1")
     return sizes
 
 
@@ -53,7 +51,8 @@ def dcn_shape(dcn_cfg, device_count: int, granules: int) -> dict[str, int]:
     total = math.prod(sizes.values())
     if total > 1 and total != granules:
         worst = max(sizes, key=sizes.get)
-        raise ConfigError(f"mesh_dcn.{worst}", sizes[worst], f"the DCN multipliers multiply to {total} but the job has {granules} hosts/slices ({device_count} devices); make them multiply to {granules}")
+        raise ConfigError(f"mesh_dcn.{worst}", sizes[worst], f"the DCN multipliers multiply to {total} but the job "
+                          f"has {granules} hosts/slices ({device_count} devices); make them multiply to {granules}")
     return sizes
 
 
@@ -67,6 +66,14 @@ def axis_sizes(config, device_count: int, granules: int = 1) -> dict[str, int]:
     """Total size of every axis: per-slice size x DCN multiplier."""
     ici, dcn = _ici_dcn(config.mesh, config.mesh_dcn, device_count, granules)
     return {axis: ici[axis] * dcn[axis] for axis in AXES}
+
+
+def check(config, device_count: int, granules: int = 1) -> dict[str, int]:
+    """The total size of every axis (as `axis_sizes`), after the checks on mesh and mesh_dcn;
+    raises ConfigError naming the field to change."""
+    require(config.mesh_dcn.tensor == 1, "mesh_dcn.tensor", config.mesh_dcn.tensor,
+            "tensor parallelism communicates in every layer; keep it inside a host (mesh_dcn.tensor=1)")
+    return axis_sizes(config, device_count, granules)
 
 
 def _has_slices(devices) -> bool:

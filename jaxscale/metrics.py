@@ -7,6 +7,7 @@ import math
 
 import jax
 
+from jaxscale.errors import require_non_negative
 from jaxscale.models.moe import expert_param_count
 
 # Dense bf16 peak TFLOP/s per device (no sparsity), matched against jax's device_kind in order.
@@ -17,6 +18,11 @@ PEAK_TFLOPS = (
     ("TPU v6 lite", 918.0), ("TPU v6e", 918.0), ("TPU7x", 2307.0),
 )
 EMBEDDING_PARAMS = ("embed", "pos_embed")  # lookups, not matmuls: excluded from N
+
+
+def check(config) -> None:
+    """The `metrics` settings are usable; raises ConfigError naming the field."""
+    require_non_negative(config, ("metrics.peak_tflops",))
 
 
 def peak_tflops(device_kind: str) -> float | None:

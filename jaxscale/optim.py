@@ -5,6 +5,14 @@ from __future__ import annotations
 import jax
 import optax
 
+from jaxscale.errors import require_non_negative, require_positive
+
+
+def check(config) -> None:
+    """The `optim` settings are usable; raises ConfigError naming the field."""
+    require_positive(config, ("optim.lr",))
+    require_non_negative(config, ("optim.warmup_steps", "optim.weight_decay", "optim.clip_norm", "optim.min_lr_ratio"))
+
 
 def make_schedule(optim_cfg, total_steps: int) -> optax.Schedule:
     """Linear warmup to optim.lr over warmup_steps, then cosine decay to lr * min_lr_ratio."""

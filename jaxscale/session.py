@@ -26,13 +26,11 @@ from jaxscale.data import Data, make_data
 from jaxscale.distributed import job_description
 from jaxscale.errors import ConfigError
 from jaxscale.health import StragglerReport, Watchdog
-from jaxscale.mesh import granule_count
 from jaxscale.preemption import PreemptionWatch
 from jaxscale.progress import ProgressDisplay
 from jaxscale.runstate import RunState
 from jaxscale.tracing import TraceWindow
 from jaxscale.tracking import Tracker
-from jaxscale.validate import validate
 from jaxscale.workdir import WorkdirLock
 
 VERSIONS = {"jaxscale": version("jaxscale"), "jax": jax.__version__, "orbax": version("orbax-checkpoint")}
@@ -109,11 +107,10 @@ def open_session(config, workdir: str | Path, show_progress: bool = True, device
     the run and its state (restored from where the workdir or the config says, else fresh), the
     metric writers and the console. Closing it waits for the last checkpoint to commit."""
     workdir, devices, opened = Path(workdir), list(devices or jax.devices()), time.perf_counter()
-    _validate(config, devices)  # before touching the workdir
+    run = _build(config, devices)  # validated before the workdir is touched
     with (contextlib.ExitStack() as stack, WorkdirLock(workdir),
           Checkpointer(workdir / CHECKPOINTS, config.checkpoint) as checkpointer):
         start = resume.choose(config, checkpointer)
-        run = build(config, devices)
         data = make_data(config, run.batch_sharding)
         with _console(run, workdir, show_progress) as display:
             _introduce(run, data, workdir, display)
@@ -130,10 +127,10 @@ def _services(config, workdir: Path, checkpointer: Checkpointer, tracker: Tracke
                     TraceWindow(prof.start_step, prof.steps, workdir / "profile", display.print))
 
 
-def _validate(config, devices) -> None:
-    """validate(), with the job's process and device counts added to its errors."""
+def _build(config, devices) -> Run:
+    """build(), with the job's process and device counts added to its config errors."""
     try:
-        validate(config, len(devices), granule_count(devices))
+        return build(config, devices)
     except ConfigError as error:
         if jax.process_count() == 1:
             raise

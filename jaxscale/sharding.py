@@ -18,32 +18,9 @@ from collections.abc import Mapping
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxscale.mesh import AXES, BATCH_AXES, make_mesh
-
-# Model axis name -> mesh axes it is split over. Mesh axes of size 1 are dropped from specs,
-# so one table serves every layout. Overridable from config: --config.sharding.rules.NAME=a,b
-DEFAULT_RULES: dict[str, tuple[str, ...]] = {
-    # parameters
-    "embed": ("fsdp",),
-    "heads": ("tensor",),
-    "kv_heads": ("tensor",),
-    "head_dim": (),
-    "mlp": ("tensor",),
-    "vocab": ("tensor",),
-    "layers": ("pipeline",),
-    "position": (),
-    "experts": ("expert",),  # the expert dimension of expert weights (mixture of experts)
-    "router": (),            # the router's output dimension (a score per expert): small, never split
-    # activations
-    "batch": BATCH_AXES,
-    "length": ("sequence",),
-    "act_length": ("sequence",),
-    "act_embed": (),
-    "act_heads": ("tensor",),
-    "act_kv_heads": ("tensor",),
-    "act_mlp": ("tensor",),
-    "act_vocab": ("tensor",),
-}
+from jaxscale.errors import field_value, require
+from jaxscale.mesh import make_mesh
+from jaxscale.names import AXES, DEFAULT_RULES, split_ways
 
 _ACTIVE: contextvars.ContextVar["Layout | None"] = contextvars.ContextVar("jaxscale_layout", default=None)
 
@@ -185,6 +162,37 @@ def rules_from_config(config, sizes: Mapping[str, int]) -> tuple[dict[str, tuple
         notes.append(f"model.num_kv_heads={kv} does not divide over tensor={tensor}: "
                      "key/value projections are replicated across the tensor axis")
     return rules, notes
+
+
+def check_rules(config, sizes: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
+    """The run's rule table (`rules_from_config`), after checking that it names only mesh axes;
+    raises ConfigError naming the rule."""
+    rules = rules_from_config(config, sizes)[0]
+    for name, axes in rules.items():
+        for axis in axes:
+            require(axis in AXES, f"sharding.rules.{name}", ",".join(axes),
+                    f"'{axis}' is not a mesh axis; use {', '.join(AXES)}")
+    return rules
+
+
+# Logical axis -> the config field holding that dimension's size.
+_DIMENSIONS = {"embed": "model.d_model", "heads": "model.num_heads", "kv_heads": "model.num_kv_heads",
+               "mlp": "model.d_ff", "vocab": "model.vocab_size", "layers": "model.num_layers",
+               "experts": "model.moe.num_experts"}
+
+
+def check_layout(config, rules: Mapping[str, tuple[str, ...]], sizes: Mapping[str, int]) -> None:
+    """A valid ZeRO stage, and every dimension the rules split divides evenly into its pieces
+    (shardings must be even); raises ConfigError naming the field to change."""
+    require(0 <= config.zero_stage <= 3, "zero_stage", config.zero_stage, "choose 0, 1, 2 or 3")
+    for name, field in _DIMENSIONS.items():
+        parts, axes = split_ways(rules[name], sizes)
+        size = field_value(config, field)
+        require(size % parts == 0, field, size,
+                f"the '{name}' dimension is split {parts} ways ({axes}); use a multiple of {parts} or change the mesh")
+    parts = split_ways(rules["length"], sizes)[0]
+    require(config.train.seq_len % parts == 0, "train.seq_len", config.train.seq_len,
+            f"activations are split {parts} ways along length; use a multiple of {parts}")
 
 
 def layout_from_config(config, devices=None) -> tuple[Layout, list[str]]:

@@ -11,6 +11,13 @@ from pathlib import Path
 
 import jax
 
+from jaxscale.errors import require_non_negative
+
+
+def check(config) -> None:
+    """The `profile` window is usable; raises ConfigError naming the field."""
+    require_non_negative(config, ("profile.start_step", "profile.steps"))
+
 
 class TraceWindow:
     """Starts jax.profiler before step `start` and stops it after `steps` steps (0 = off)."""

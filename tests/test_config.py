@@ -1,26 +1,37 @@
 """Config loading, overrides and validation: every bad input is one line naming the field."""
 
+import subprocess
+import sys
+
 import pytest
 
 from conftest import ROOT, run_cli
 from jaxscale import config as config_lib
 from jaxscale.errors import ConfigError
 from jaxscale.cli import parse_flags
+from jaxscale.validate import validate
 
 
 def _error(overrides, devices=8, config=None):
     config = config or config_lib.defaults()
     with pytest.raises(ConfigError) as info:
         config_lib.apply_overrides(config, overrides)
-        config_lib.validate(config, devices)
+        validate(config, devices)
     return info.value
 
 
 def test_defaults_and_shipped_configs_validate():
-    config_lib.validate(config_lib.defaults(), 8)
+    validate(config_lib.defaults(), 8)
     for name in ("tiny", "gpt2_124m", "llama_1b", "llama3_8b"):
         config = config_lib.load(str(ROOT / "configs" / f"{name}.py"))
-        config_lib.validate(config, 8)
+        validate(config, 8)
+
+
+def test_loading_a_config_does_not_import_jax():
+    code = "import sys, jaxscale.config; jaxscale.config.load('configs/tiny.py'); print('jax' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
 
 
 def test_overrides_parse_types():

@@ -8,14 +8,15 @@ import sys
 import time
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxscale.config import defaults
 from jaxscale.data import load_tokenizer, make_data, process_rows
 from jaxscale.data.batches import StepBatches
+from jaxscale.data.settings import read_settings
 from jaxscale.errors import ConfigError
 
 TEXT = "The quick brown fox jumps over the lazy dog. " * 400  # 18 KB
@@ -24,12 +25,12 @@ B, L = 8, 16
 
 
 def _config(path="", *, seed=0, batch=B, seq_len=L, vocab=256, **data):
-    """A minimal run config with only the fields the data package reads."""
-    fields = {"source": "auto", "path": str(path), "tokenizer": "bytes", "text_field": "text",
-              "token_dtype": "uint16", "val_fraction": 0.05, "num_threads": 2}
-    return ml_collections.ConfigDict({
-        "data": fields | data, "train": {"seq_len": seq_len, "global_batch_size": batch, "seed": seed},
-        "model": {"vocab_size": vocab}})
+    """The default run config with the data, batch and vocabulary fields given here."""
+    config = defaults()
+    config.data.update(path=str(path), **data)
+    config.train.update(seq_len=seq_len, global_batch_size=batch, seed=seed)
+    config.model.vocab_size = vocab
+    return config
 
 
 def _sharding(devices=8):
@@ -245,10 +246,12 @@ def test_a_process_reads_only_its_rows():
     assert batches[3]["inputs"][:, 0].tolist() == [26, 27, 28]  # rows 2..4 of step 3 = samples 24+2..24+4
 
 
-def test_minimal_config_takes_defaults():
-    config = ml_collections.ConfigDict({"data": {}, "train": {"seq_len": L, "global_batch_size": B, "seed": 0},
-                                        "model": {"vocab_size": 256}})
-    assert make_data(config, _sharding()).local_batch(0)["inputs"].shape == (B, L)
+def test_settings_come_from_the_config_defaults():
+    config = defaults()
+    settings = read_settings(config)
+    assert settings.source == "embedded"  # auto, without a path
+    for key in ("path", "tokenizer", "text_field", "token_dtype", "val_fraction", "num_threads"):
+        assert getattr(settings, key) == config.data[key], key
 
 
 def test_one_megabyte_text_loads_fast(tmp_path):

@@ -19,6 +19,7 @@ from jaxscale.models import LanguageModel, ModelSpec, Strategy
 from jaxscale.models.moe import MoE, MoESpec, expert_mlp, route
 from jaxscale.optim import make_optimizer
 from jaxscale.step import StepSpec, jit_train_step
+from jaxscale.validate import validate
 
 # 4 layers in groups of 2 (dense, then MoE); 8 experts, top-2. A capacity factor of
 # num_experts/top_k gives every expert room for a whole sequence: nothing is ever dropped.
@@ -217,7 +218,7 @@ def test_bad_moe_input_names_field(overrides, field, words):
     config = config_lib.defaults()
     with pytest.raises(ConfigError) as info:
         config_lib.apply_overrides(config, overrides)
-        config_lib.validate(config, 8)
+        validate(config, 8)
     assert info.value.field == field and str(info.value).startswith(field) and words in str(info.value)
 
 

@@ -16,8 +16,10 @@ import pytest
 from conftest import ROOT, cli_env
 from jaxscale import cli
 from jaxscale import config as config_lib
+from jaxscale.errors import ConfigError
 from jaxscale.launch import _free_port, child_env
 from jaxscale.loop import train
+from jaxscale.validate import validate
 
 OVERRIDES = ["model.num_layers=2", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=2",
              "model.d_ff=128", "model.dtype='float32'", "train.steps=6", "train.global_batch_size=16",
@@ -157,9 +159,9 @@ def test_the_launcher_stops_the_others_when_one_fails(tmp_path):
 def test_dcn_multipliers_must_match_the_hosts():
     config = config_lib.defaults()
     config_lib.apply_overrides(config, HYBRID)
-    with pytest.raises(config_lib.ConfigError, match="1 hosts"):
-        config_lib.validate(config, 8, granules=1)
-    config_lib.validate(config, 8, granules=2)
+    with pytest.raises(ConfigError, match="1 hosts"):
+        validate(config, 8, granules=1)
+    validate(config, 8, granules=2)
 
 
 @pytest.mark.serial  # other tests' load on the cores would blur the contention it creates

@@ -1,20 +1,18 @@
 """The data pipeline's settings, read once from the run config and checked.
 
-Reading through this one place means the rest of the package never touches the ConfigDict,
-a minimal config (only some `data.*` fields) still works, and every bad value is reported
-as a ConfigError naming its field before any file is opened.
+Reading through this one place means the rest of the package never touches the ConfigDict, and
+every bad value is reported as a ConfigError naming its field before any file is opened. The
+checks here are the only ones on `data.*` (and `train.seed`, whose range is Grain's);
+`jaxscale.validate` runs them with the rest. Defaults live in `jaxscale.config.defaults()`:
+pass a config built from it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from jaxscale.errors import ConfigError
-
-SOURCES = ("auto", "embedded", "synthetic", "file")
-TOKEN_DTYPES = ("uint16", "uint32")
-DEFAULTS = {"source": "auto", "path": "", "tokenizer": "bytes", "text_field": "text",
-            "token_dtype": "uint16", "val_fraction": 0.05, "num_threads": 2}
+from jaxscale.errors import require, require_choice
+from jaxscale.names import SOURCES, TOKEN_DTYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,38 +32,32 @@ class DataSettings:
     vocab_size: int
 
 
-def _require(ok: bool, field: str, value, fix: str) -> None:
-    if not ok:
-        raise ConfigError(field, value, fix)
+# The DataSettings fields read as they are from config.data.
+_DATA_FIELDS = ("source", "path", "tokenizer", "text_field", "token_dtype", "val_fraction", "num_threads")
 
 
-def _resolve_source(source: str, path: str) -> str:
-    _require(source in SOURCES, "data.source", source, f"choose one of {', '.join(SOURCES)}")
-    if source == "auto":
-        return "file" if path else "embedded"
-    _require(source != "file" or bool(path), "data.path", path, "data.source=file needs data.path=FILE")
-    return source
-
-
-def _check(s: DataSettings) -> None:
-    for field, value in (("train.seq_len", s.seq_len), ("train.global_batch_size", s.global_batch),
-                         ("model.vocab_size", s.vocab_size)):
-        _require(value > 0, field, value, "must be > 0")
-    _require(s.num_threads >= 0, "data.num_threads", s.num_threads,
-             "must be >= 0 (0 reads in the training thread)")
-    _require(0.0 < s.val_fraction < 1.0, "data.val_fraction", s.val_fraction,
-             "must be in (0, 1); 0.05 holds out the last 5% of tokens for validation")
-    _require(0 <= s.seed < 2**32, "train.seed", s.seed, "use an integer in [0, 2**32)")  # Grain's range
-    _require(s.token_dtype in TOKEN_DTYPES, "data.token_dtype", s.token_dtype,
-             "use uint16 (vocab <= 65536, nanoGPT's default) or uint32")
+def check(config) -> None:
+    """config.data (and train.seed) are usable; raises ConfigError naming the field and the fix."""
+    d = config.data
+    require_choice("data.source", d.source, SOURCES)
+    require(d.source in ("auto", "file") or not d.path, "data.source", d.source,
+            "data.path is set: use data.source=file (or auto), or clear data.path")
+    require(d.source != "file" or bool(d.path), "data.path", d.path, "data.source=file needs --config.data.path=FILE")
+    require(d.num_threads >= 0, "data.num_threads", d.num_threads, "must be >= 0 (0 reads in the training thread)")
+    require(0.0 < d.val_fraction < 1.0, "data.val_fraction", d.val_fraction, "must be between 0 and 1 (exclusive)")
+    require(0 <= config.train.seed < 2**32, "train.seed", config.train.seed,
+            "use an integer in [0, 2**32)")  # Grain's range
+    require(d.token_dtype in TOKEN_DTYPES, "data.token_dtype", d.token_dtype,
+            "use uint16 (vocab <= 65536, nanoGPT's default) or uint32")
 
 
 def read_settings(config) -> DataSettings:
-    """DataSettings from config.data / config.train / config.model; missing data.* fields take DEFAULTS."""
-    data = {key: config.data.get(key, default) for key, default in DEFAULTS.items()}
-    data["source"] = _resolve_source(data["source"], data["path"])
+    """Checked DataSettings from config.data / config.train / config.model, with source resolved
+    (auto: file if data.path is set, else embedded). `config` must have every data.* field."""
+    check(config)
+    data = {key: config.data[key] for key in _DATA_FIELDS}
+    if data["source"] == "auto":
+        data["source"] = "file" if data["path"] else "embedded"
     t = config.train
-    settings = DataSettings(**data, seq_len=int(t.seq_len), global_batch=int(t.global_batch_size),
-                            seed=int(t.seed), vocab_size=int(config.model.vocab_size))
-    _check(settings)
-    return settings
+    return DataSettings(**data, seq_len=int(t.seq_len), global_batch=int(t.global_batch_size),
+                        seed=int(t.seed), vocab_size=int(config.model.vocab_size))

@@ -22,9 +22,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxscale.errors import require, require_choice
+from jaxscale.names import CONTEXT_PARALLEL
 from jaxscale.parallel import current_mesh
 
 AXIS = "sequence"
+
+
+def check(config, sizes) -> None:
+    """A known strategy, and with the sequence split (`sizes[AXIS]` > 1) a train.seq_len that the
+    zig-zag layout cuts into 2 x sizes[AXIS] equal chunks; raises ConfigError naming the field."""
+    require_choice("model.attention.context_parallel", config.model.attention.context_parallel, CONTEXT_PARALLEL)
+    chunks, seq_len = 2 * sizes[AXIS], config.train.seq_len
+    require(sizes[AXIS] == 1 or seq_len % chunks == 0, "train.seq_len", seq_len,
+            f"context parallelism lays the sequence out in {chunks} chunks (2 x mesh.sequence); "
+            f"use a multiple of {chunks}")
 _MASKED = -1e30  # finite, so fully masked rows stay NaN-free
 
 

@@ -15,9 +15,40 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxscale.errors import require, require_positive
+from jaxscale.names import BATCH_AXES, PIPELINE_SCHEDULES, split_ways
 from jaxscale.parallel import constrain, current_mesh, microbatch
 
 AXIS = "pipeline"
+
+
+def check(config, sizes) -> None:
+    """The `pipeline` settings name a schedule and, with `sizes[AXIS]` > 1 stages, fit the layers
+    and the batch; raises ConfigError naming the field to change."""
+    p = config.pipeline
+    require_positive(config, ("pipeline.microbatches", "pipeline.virtual_stages"))
+    require(p.schedule in PIPELINE_SCHEDULES, "pipeline.schedule", p.schedule, "choose gpipe or circular")
+    require(p.schedule != "gpipe" or p.virtual_stages == 1, "pipeline.virtual_stages", p.virtual_stages,
+            "gpipe runs one stage per device; set it to 1 or use pipeline.schedule=circular")
+    require(p.schedule != "circular" or p.virtual_stages > 1, "pipeline.virtual_stages", p.virtual_stages,
+            "the circular schedule needs 2 or more layer chunks per device")
+    if sizes[AXIS] > 1:
+        _check_stages(config, sizes)
+
+
+def _check_stages(config, sizes) -> None:
+    """Every stage gets whole layer chunks, and every stage has a microbatch to work on."""
+    p, t, stages = config.pipeline, config.train, sizes[AXIS]
+    chunks = stages * p.virtual_stages
+    require(config.model.num_layers % chunks == 0, "model.num_layers", config.model.num_layers,
+            f"{stages} stages x {p.virtual_stages} virtual stages need a multiple of {chunks} layers")
+    require(p.microbatches >= stages, "pipeline.microbatches", p.microbatches,
+            f"fewer microbatches than the {stages} stages leaves stages idle; use at least {stages}")
+    micro, shards = t.global_batch_size // t.grad_accum_steps, split_ways(BATCH_AXES, sizes)[0]
+    require(micro % (p.microbatches * shards) == 0, "pipeline.microbatches", p.microbatches,
+            f"each accumulation step's {micro} sequences must split into {p.microbatches} microbatches "
+            f"over {shards} batch shards; make train.global_batch_size a multiple of "
+            f"{p.microbatches * shards * t.grad_accum_steps}")
 
 
 def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> float:

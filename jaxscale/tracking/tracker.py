@@ -7,11 +7,8 @@ from pathlib import Path
 
 import jax
 
-from jaxscale.errors import ConfigError
-
-WRITERS = ("jsonl", "tensorboard", "mlflow", "wandb")
-EXTRAS = {"tensorboard": ("tensorboardX", "jaxscale"), "mlflow": ("mlflow", "jaxscale[mlflow]"),
-          "wandb": ("wandb", "jaxscale[wandb]")}  # writer -> (module it needs, what to pip install)
+from jaxscale.errors import ConfigError, require
+from jaxscale.names import EXTRAS, WANDB_MODES, WRITERS
 
 
 def parse_writers(text: str) -> list[str]:
@@ -27,6 +24,15 @@ def check_writers(text: str) -> None:
         if module and importlib.util.find_spec(module) is None:
             raise ConfigError("tracking.writers", text, f"the {name} writer needs the '{module}' package: "
                               f"pip install '{extra}'")
+
+
+def check(config) -> None:
+    """The `tracking` settings are usable (a known W&B mode, writers known and installed);
+    raises ConfigError naming the field."""
+    mode = config.tracking.wandb_mode
+    require(mode in ("", *WANDB_MODES), "tracking.wandb_mode", mode,
+            "choose online, offline or disabled (or leave it empty for W&B's default)")
+    check_writers(config.tracking.writers)
 
 
 def flat_config(config) -> dict[str, object]:

@@ -1,0 +1,71 @@
+"""The checks on the `model` settings: choices, sizes, shapes the layers can build, and the
+mixture-of-experts settings against the mesh.
+
+Config-level only (errors and names): checking a config never builds a model.
+"""
+
+from __future__ import annotations
+
+from jaxscale.errors import require, require_choice, require_positive
+from jaxscale.names import ATTENTION_IMPLS, DTYPES, FAMILIES, REMAT_POLICIES, split_ways
+
+_SIZES = ("model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads", "model.d_ff",
+          "model.vocab_size", "model.max_seq_len")
+
+
+def check_model(config) -> None:
+    """Known choices, positive sizes, and head/position shapes the layers support; raises
+    ConfigError naming the field. The mixture-of-experts settings are `check_moe`'s."""
+    m = config.model
+    for field, value, choices in (("model.family", m.family, FAMILIES), ("model.remat", m.remat, REMAT_POLICIES),
+                                  ("model.dtype", m.dtype, DTYPES),
+                                  ("model.attention.impl", m.attention.impl, ATTENTION_IMPLS)):
+        require_choice(field, value, choices)
+    require_positive(config, _SIZES)
+    _check_shapes(m, config.train.seq_len)
+
+
+def _check_shapes(m, seq_len: int) -> None:
+    """Heads split d_model evenly, query heads group over key/value heads, RoPE pairs dimensions,
+    and gpt2 has a learned position for every token."""
+    require(m.d_model % m.num_heads == 0, "model.num_heads", m.num_heads, f"must divide model.d_model={m.d_model}")
+    require(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads", m.num_kv_heads,
+            f"must divide model.num_heads={m.num_heads} (grouped-query attention)")
+    require(m.family != "llama" or (m.d_model // m.num_heads) % 2 == 0, "model.num_heads", m.num_heads,
+            f"RoPE needs an even head dimension; d_model/num_heads = {m.d_model // max(m.num_heads, 1)}")
+    require(m.family != "gpt2" or seq_len <= m.max_seq_len, "train.seq_len", seq_len,
+            f"gpt2 learns positions up to model.max_seq_len={m.max_seq_len}; raise it or shorten seq_len")
+
+
+def check_moe(config, sizes, rules) -> None:
+    """The `model.moe` settings, and how they meet the mesh (axis `sizes`) and the rule table;
+    raises ConfigError naming the field to change."""
+    m, experts = config.model.moe, sizes["expert"]
+    require(m.num_experts >= 0, "model.moe.num_experts", m.num_experts, "must be >= 0 (0 = a dense model)")
+    if not m.num_experts:
+        require(experts == 1, "mesh.expert", experts, "expert parallelism splits the experts of MoE layers; set "
+                f"model.moe.num_experts to a multiple of {experts}, or mesh.expert=1")
+        return
+    _check_router(m, config.model.num_layers)
+    require(sizes["pipeline"] == 1, "mesh.pipeline", sizes["pipeline"], "pipeline parallelism does not run "
+            "mixture-of-experts layers; set mesh.pipeline=1 (or model.moe.num_experts=0)")
+    hidden = m.d_ff or config.model.d_ff
+    parts, axes = split_ways(rules["mlp"], sizes)
+    require(hidden % parts == 0, "model.moe.d_ff", m.d_ff,
+            f"the experts' hidden size ({hidden}) is split {parts} ways ({axes}); use a multiple of {parts}")
+    require(experts == 1 or "expert" in rules["batch"], "sharding.rules.batch", ",".join(rules["batch"]),
+            f"mesh.expert={experts} exchanges tokens within each expert group, so the batch must be split "
+            "over expert too; add expert")
+
+
+def _check_router(m, num_layers: int) -> None:
+    """Routing settings of an MoE model (num_experts > 0): top_k, capacity, layer spacing, weights."""
+    require(1 <= m.top_k <= m.num_experts, "model.moe.top_k", m.top_k,
+            f"must be between 1 and model.moe.num_experts={m.num_experts}")
+    require(m.capacity_factor > 0, "model.moe.capacity_factor", m.capacity_factor,
+            "must be > 0 (0, dropless, is not implemented); a factor >= num_experts/top_k never drops a token")
+    require(m.every_n_layers >= 1 and num_layers % m.every_n_layers == 0, "model.moe.every_n_layers",
+            m.every_n_layers, f"must be >= 1 and divide model.num_layers={num_layers}")
+    require(m.d_ff >= 0, "model.moe.d_ff", m.d_ff, "must be >= 0 (0 = model.d_ff)")
+    for key in ("aux_loss_weight", "z_loss_weight"):
+        require(m[key] >= 0, f"model.moe.{key}", m[key], "must be >= 0")

@@ -1,0 +1,67 @@
+"""Names shared by the config and the parts that use it: mesh axes, the default rule table and the
+choices each setting takes.
+
+A leaf: it imports only the standard library, so `jaxscale.config` (and anything that just reads
+or checks a config) can use these without loading JAX. The modules that own each concept
+re-export their names from here (`jaxscale.mesh.AXES`, `jaxscale.sharding.DEFAULT_RULES`, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+# Outer -> inner: axes that talk least sit outermost so they can cross slow links.
+AXES = ("data", "pipeline", "fsdp", "expert", "sequence", "tensor")
+# Axes whose devices each hold a different slice of the batch. `expert` splits the experts of
+# MoE layers and the batch everywhere else; MoE layers exchange tokens within an expert group.
+BATCH_AXES = ("data", "fsdp", "expert")
+
+# Model axis name -> mesh axes it is split over. Mesh axes of size 1 are dropped from specs,
+# so one table serves every layout. Overridable from config: --config.sharding.rules.NAME=a,b
+DEFAULT_RULES: dict[str, tuple[str, ...]] = {
+    # parameters
+    "embed": ("fsdp",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+    "layers": ("pipeline",),
+    "position": (),
+    "experts": ("expert",),  # the expert dimension of expert weights (mixture of experts)
+    "router": (),            # the router's output dimension (a score per expert): small, never split
+    # activations
+    "batch": BATCH_AXES,
+    "length": ("sequence",),
+    "act_length": ("sequence",),
+    "act_embed": (),
+    "act_heads": ("tensor",),
+    "act_kv_heads": ("tensor",),
+    "act_mlp": ("tensor",),
+    "act_vocab": ("tensor",),
+}
+
+# The choices of config settings.
+FAMILIES = ("llama", "gpt2")
+REMAT_POLICIES = ("none", "full", "dots_saveable")
+DTYPES = ("auto", "float32", "bfloat16")
+ATTENTION_IMPLS = ("xla", "cudnn", "auto")
+CONTEXT_PARALLEL = ("ring", "all_gather")
+PIPELINE_SCHEDULES = ("gpipe", "circular")
+SOURCES = ("auto", "embedded", "synthetic", "file")
+TOKEN_DTYPES = ("uint16", "uint32")
+SPIKE_ACTIONS = ("skip", "rollback")
+WANDB_MODES = ("online", "offline", "disabled")  # or "" for W&B's own setting
+
+# Metric writers, and for those needing an optional package: (module it needs, what to pip install).
+WRITERS = ("jsonl", "tensorboard", "mlflow", "wandb")
+EXTRAS = {"tensorboard": ("tensorboardX", "jaxscale"), "mlflow": ("mlflow", "jaxscale[mlflow]"),
+          "wandb": ("wandb", "jaxscale[wandb]")}
+
+
+def split_ways(axes: tuple[str, ...], sizes: Mapping[str, int]) -> tuple[int, str]:
+    """(how many pieces a dimension split over `axes` is cut into, those axes as 'a=2xb=4') for
+    error messages; axes of size 1 are left out of the text."""
+    parts = math.prod(sizes[axis] for axis in axes)
+    return parts, "x".join(f"{axis}={sizes[axis]}" for axis in axes if sizes[axis] > 1)
