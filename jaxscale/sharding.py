@@ -78,17 +78,14 @@ class Layout:
 
     @contextlib.contextmanager
     def activate(self):
-        """Within this block (while tracing), `constrain` places activations by this layout."""
+        """Within this block (while tracing), `constrain` places activations by this layout. It
+        carries sharding constraints only: which parallel algorithm runs is the model's
+        strategy (jaxscale.models.strategy), never read from here."""
         token = _ACTIVE.set(self)
         try:
             yield self
         finally:
             _ACTIVE.reset(token)
-
-
-def active_layout() -> "Layout | None":
-    """The layout of the step being traced (inside Layout.activate()), or None."""
-    return _ACTIVE.get()
 
 
 def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:

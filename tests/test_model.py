@@ -70,3 +70,38 @@ def test_init_independent_of_call_site():
     eager = model.init(jax.random.PRNGKey(3))
     jitted = jax.jit(model.init)(jax.random.PRNGKey(3))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), eager, jitted)
+
+
+STRATEGIES = {"ring": (dict(sequence=4), dict(context="ring")),
+              "all_gather": (dict(sequence=2), dict(context="all_gather")),
+              "gpipe": (dict(pipeline=2), dict(microbatches=2))}
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_a_parallel_strategy_is_the_same_function_outside_any_layout(name):
+    """The strategy is part of the spec: called with no layout active, a model that runs ring
+    attention or a pipeline gives the logits of the one-program model (fp32, 1e-5)."""
+    import dataclasses
+
+    from conftest import make_layout
+    from jaxscale.models import Strategy
+
+    sizes, options = STRATEGIES[name]
+    spec = dataclasses.replace(SPECS["llama_gqa_untied"], strategy=Strategy.for_layout(make_layout(**sizes), **options))
+    model = LanguageModel(spec)
+    assert model.spec.strategy.describe() != "none" and model.unsharded().spec.strategy == Strategy()
+    params, tokens = model.init(jax.random.PRNGKey(0)), _tokens()
+    np.testing.assert_allclose(jax.jit(model.apply)(params, tokens), model.unsharded().apply(params, tokens),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_a_strategy_names_what_it_needs():
+    from conftest import make_layout
+    from jaxscale.models import Strategy
+
+    with pytest.raises(ValueError, match="needs a layout whose mesh splits 'sequence'"):
+        Strategy(make_layout(data=2), context="ring")
+    pipelined = LanguageModel(ModelSpec(num_layers=2, d_model=16, num_heads=2, num_kv_heads=2, d_ff=32, strategy=
+                                        Strategy.for_layout(make_layout(pipeline=2), microbatches=2)))
+    with pytest.raises(ValueError, match="does not split into 2 microbatches"):
+        pipelined.apply(pipelined.init(jax.random.PRNGKey(0)), _tokens((3, 8)))

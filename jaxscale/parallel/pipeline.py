@@ -97,6 +97,9 @@ def _over_stages(local, param_spec, params, x_BLD, positions_BL, mesh, microbatc
     the process ("Invalid binary instruction opcode copy") on the bfloat16 all-reduces over
     `pipeline` of this partly manual shard_map, the outputs' sum and the inputs' gradient.
     """
+    if x_BLD.shape[0] % microbatches:
+        raise ValueError(f"pipeline: a batch of {x_BLD.shape[0]} rows does not split into {microbatches} microbatches; "
+                         "pass a multiple of them, or call model.unsharded() for one program at any batch size")
     dtype = x_BLD.dtype
     wire = jnp.float32 if jax.default_backend() == "cpu" and dtype == jnp.bfloat16 else dtype
 
