@@ -55,10 +55,15 @@ def test_compiled_state_bytes_match_the_arithmetic(plans, name):
 
 def test_zero_stages_move_collectives(plans):
     dp, fsdp = plans["data8"]["collectives"], plans["fsdp8"]["collectives"]
-    assert dp["all-reduce"]["count"] > 0 and dp["all-gather"]["count"] == 0
-    assert fsdp["all-gather"]["count"] > 0  # parameters gathered before use
-    assert plans["zero3"]["collectives"]["all-gather"]["count"] > 0
-    assert set(dp) == {"all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all"}
+    gradient_bytes = 4 * plans["data8"]["num_params"]  # fp32 gradients of every parameter
+    # data parallel: the whole gradient all-reduced once, no gathers. The tied embedding's two
+    # gradient terms (the lookup's and the output head's) are reduced separately before they
+    # are summed: one more vocab x d_model (256 x 128 on tiny), and a few scalars.
+    tied = 4 * 256 * 128
+    assert dp["all-reduce"]["bytes"] == pytest.approx(gradient_bytes + tied, rel=1e-3)
+    assert dp["all-gather"]["count"] == 0
+    assert fsdp["all-gather"]["bytes"] >= 0.95 * gradient_bytes  # every parameter gathered whole before use
+    assert plans["zero3"]["collectives"]["all-gather"]["bytes"] >= 0.95 * gradient_bytes
 
 
 def test_advice_names_the_biggest_contributor(plans):
