@@ -12,8 +12,10 @@ Restoring takes the target shardings, so a checkpoint restores onto any mesh.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import logging
 import shutil
 import threading
 import time
@@ -66,8 +68,8 @@ def _all_processes(ok: bool) -> bool:
 
 
 def _options(ckpt_cfg, read_only: bool) -> ocp.CheckpointManagerOptions:
-    if read_only:
-        return ocp.CheckpointManagerOptions(read_only=True, create=False)
+    if read_only:  # every saving option off already, so Orbax has none to turn off (and warn about)
+        return ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
     keep = [ocp.checkpoint_managers.LatestN(n=ckpt_cfg.max_to_keep)]
     if ckpt_cfg.keep_every:
         keep.append(ocp.checkpoint_managers.EveryNSteps(interval_steps=ckpt_cfg.keep_every))
@@ -89,6 +91,27 @@ def _state_handler() -> ocp.PyTreeCheckpointHandler:
     return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
 
+class _Drop(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+@contextlib.contextmanager
+def _without_absl_warning(prefix: str):
+    """Drop Orbax's absl log records that start with `prefix` while the block runs (only those:
+    any other warning, from any thread, still shows)."""
+    logger, drop = logging.getLogger("absl"), _Drop(prefix)
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
 class Checkpointer:
     """Saves when due (every N steps, every M minutes) and restores the newest good step.
 
@@ -105,8 +128,10 @@ class Checkpointer:
         self._pending: int | None = None  # step of the save in flight
         self._failed = False              # a failed save was reported; do not report it twice
         handlers = {"state": _state_handler(), **{item: ocp.JsonCheckpointHandler() for item in JSON_ITEMS}}
-        self._manager = ocp.CheckpointManager(self.directory, options=_options(ckpt_cfg, read_only),
-                                              item_handlers=handlers)
+        # A read-only manager warns that its directory is read only: what was asked for, not news.
+        with _without_absl_warning("Given directory is read only"):
+            self._manager = ocp.CheckpointManager(self.directory, options=_options(ckpt_cfg, read_only),
+                                                  item_handlers=handlers)
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
