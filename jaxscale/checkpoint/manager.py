@@ -127,6 +127,7 @@ class Checkpointer:
         self._last_save_time: datetime.datetime | None = None  # the clock starts at the first due()
         self._pending: int | None = None  # step of the save in flight
         self._failed = False              # a failed save was reported; do not report it twice
+        self._digester = digest.Digester()
         handlers = {"state": _state_handler(), **{item: ocp.JsonCheckpointHandler() for item in JSON_ITEMS}}
         # A read-only manager warns that its directory is read only: what was asked for, not news.
         with _without_absl_warning("Given directory is read only"):
@@ -143,6 +144,7 @@ class Checkpointer:
         """Whether the interval or the time policy asks for a save at this step. With
         checkpoint.every_minutes, process 0 decides and tells the others, so every process
         must call this at every step."""
+        self._digester.poll()
         if self._every and step % self._every == 0:
             return True
         if self._timer is None:
@@ -159,8 +161,10 @@ class Checkpointer:
 
     def save(self, step: int, state, position: dict, meta: dict, config: dict) -> None:
         """Start an asynchronous save of `state`: blocks only while the arrays are copied off the
-        devices (the digests are computed meanwhile and written by the background commit).
+        devices (the digests are computed meanwhile and written by the background commit; the
+        first save of a run compiles their program in the background, see digest.Digester).
         Raises RunError if the previous save failed."""
+        self._digester.finish()  # Orbax waits for the previous commit, which waits for its digests
         if step == self.latest_step():
             return
         digests = digest.pending(state)
@@ -169,7 +173,7 @@ class Checkpointer:
                                   meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(config))
         try:
             self._surface_errors(lambda: self._manager.save(step, args=args, force=True))
-            digests.provide(digest.dispatch(state))  # before the next step can donate the state
+            self._digester.start(state, digests)  # before the next step can donate the state
         except BaseException as error:
             digests.provide(error=error)  # never leave the commit thread waiting
             raise
@@ -177,10 +181,12 @@ class Checkpointer:
 
     def check(self) -> None:
         """Raise RunError if a save running in the background has failed."""
+        self._digester.poll()
         self._surface_errors(self._manager.check_for_errors)
 
     def wait(self) -> None:
         """Block until the save in flight has committed (or raise RunError)."""
+        self._digester.finish()
         self._surface_errors(self._manager.wait_until_finished)
         self._pending = None
 
@@ -192,6 +198,7 @@ class Checkpointer:
                 return
             self._failed = True
             step, self._pending = self._pending, None
+            self._digester.finish()  # no writer is left waiting for the digests
             _let_writers_finish(WRITER_GRACE_S)  # their errors are logged before ours, not after it
             self._remove_unfinished(step)
             latest = self.latest_step()
