@@ -28,9 +28,11 @@ USAGE = ("usage: python -m jaxscale.convert from-hf HF_DIR OUT_DIR [--config.sec
          "       python -m jaxscale.convert to-hf CKPT HF_DIR")
 
 
-def config_for_hf(hf_dir, config=None):
-    """`config` (default: the defaults) with the model fields of the HF checkpoint and, when the
-    directory has one, its tokenizer.json."""
+def config_for_hf(hf_dir, config=None, overrides=(), say=print):
+    """`config` (default: the defaults) with the model fields of the HF checkpoint, its
+    tokenizer.json when the directory has one, then `overrides` ('a.b=value' strings). A GPT-2
+    learns a fixed number of positions: a train.seq_len above them is lowered to them, and `say`
+    gets one note line about it."""
     from jaxscale import config as config_lib
     from jaxscale.interop import model_config_from_hf
 
@@ -38,6 +40,12 @@ def config_for_hf(hf_dir, config=None):
     config.model.update(model_config_from_hf(hf_dir))
     if (Path(hf_dir) / "tokenizer.json").exists():
         config.data.tokenizer = str(Path(hf_dir) / "tokenizer.json")
+    config_lib.apply_overrides(config, list(overrides))
+    positions = config.model.max_seq_len
+    if config.model.family == "gpt2" and config.train.seq_len > positions:
+        say(f"note: train.seq_len={config.train.seq_len} is more than the {positions} positions the GPT-2 in "
+            f"{hf_dir} learned (n_positions); training with train.seq_len={positions}")
+        config.train.seq_len = positions
     return config
 
 
@@ -91,13 +99,10 @@ def _command(argv: list[str]) -> None:
         step = to_hf(source, destination)
         print(f"wrote step {step} of {source} to {destination} (Hugging Face format)")
         return
-    from jaxscale import config as config_lib
-
     unknown = [flag for flag in rest if not flag.startswith("--config.")]
     if unknown:
         raise ConfigError("flag", unknown[0], USAGE.replace("\n", " | "))
-    config = config_for_hf(source)
-    config_lib.apply_overrides(config, [flag.removeprefix("--config.") for flag in rest])
+    config = config_for_hf(source, overrides=[flag.removeprefix("--config.") for flag in rest])
     count = from_hf(source, destination, config)
     print(f"wrote {count / 1e6:,.1f}M parameters of {source} to {destination}; train from them with "
           f"--config={Path(destination) / 'config.json'} --config.checkpoint.init_from={destination}")

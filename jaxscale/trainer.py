@@ -35,14 +35,16 @@ class Trainer:
         self._records = {r["step"]: r for r in _earlier_records(self.workdir)}
 
     @classmethod
-    def from_hf(cls, hf_dir: str | Path, workdir: str | Path, config=None, **kwargs) -> "Trainer":
+    def from_hf(cls, hf_dir: str | Path, workdir: str | Path | None = None, config=None, **kwargs) -> "Trainer":
         """Fine-tune a Hugging Face Llama or GPT-2 checkpoint: its weights are converted once into
         WORKDIR/hf_import (parameters only) and the run starts from them with a fresh optimizer;
-        a workdir that already has checkpoints resumes them instead. `config` (default: the
-        defaults) gets the model's shape and, if the HF dir has one, its tokenizer.json."""
+        a workdir that already has checkpoints resumes them instead. WORKDIR defaults to
+        runs/<name of hf_dir>. `config` (default: the defaults) gets the model's shape, the HF
+        dir's tokenizer.json if it has one, and for a GPT-2 a train.seq_len no longer than its
+        positions (lowered with a printed note)."""
         from jaxscale import convert
 
-        workdir = Path(workdir)
+        workdir = Path("runs") / Path(hf_dir).resolve().name if workdir is None else Path(workdir)
         config = convert.config_for_hf(hf_dir, config)
         imported = workdir / "hf_import"
         if not (workdir / "checkpoints").exists() and not (imported / "checkpoints").exists():

@@ -61,6 +61,7 @@ def _check_pipeline(out):
 
 def _check_checkpoint(out):
     assert out["state_bytes"] > 0 and out["repeats"] == 1
+    assert "first_save_s" in out and out["first_save_s"] > 0
     assert 0 < out["async_blocking_s"] and 0 < out["sync_save_s"] and 0 < out["restore_s"]
     assert out["blocking_ratio"] == pytest.approx(out["async_blocking_s"] / out["sync_save_s"])
 

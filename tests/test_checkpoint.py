@@ -2,14 +2,17 @@
 counts, rotation and keep-every-N, time-based saves, integrity checks with fallback,
 config compatibility, resume_from / init_from, and the workdir lock."""
 
+import collections
 import shutil
+import threading
 
 import jax
 import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from conftest import small_config
-from jaxscale.checkpoint import CORRUPT_DIR, Checkpointer
+from jaxscale.checkpoint import CORRUPT_DIR, Checkpointer, digest
 from jaxscale.errors import ConfigError
 from jaxscale.build import build
 from jaxscale.loop import train
@@ -84,6 +87,31 @@ def test_restores_onto_another_mesh_and_continues(saved, tmp_path, layout, devic
     assert [r["step"] for r in rest] == [11, 12]
     for got in rest:
         np.testing.assert_allclose(got["loss"], _by_step(whole)[got["step"]]["loss"], rtol=1e-5)
+
+
+def test_first_digests_compile_in_the_background_and_read_a_copy_of_the_saved_arrays():
+    """The caller traces nothing, and may donate (here: delete) the arrays once start returns."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "tensor"))
+    host = {"w": np.arange(96, dtype=np.float32).reshape(8, 12) / 7, "b": np.arange(11, dtype=np.int32)}
+    shardings = {"w": NamedSharding(mesh, P(None, "tensor")), "b": NamedSharding(mesh, P())}  # shapes no other test has
+    tree = jax.device_put(host, shardings)
+    traced = collections.Counter()
+
+    def count(event, duration, **kwargs):
+        if event == "/jax/core/compile/jaxpr_trace_duration":
+            traced["caller" if threading.current_thread() is threading.main_thread() else "background"] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        digester, mapping = digest.Digester(), digest.pending(tree)
+        digester.start(tree, mapping)
+        jax.tree.map(lambda x: x.delete(), tree)
+        digester.finish()
+        got = dict(mapping.items())
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert traced["caller"] == 0 and traced["background"] >= 1, traced
+    assert got == digest.digests(jax.device_put(host, shardings))
 
 
 def test_rotation_keeps_the_newest_and_every_nth(tiny_config, tmp_path):

@@ -137,6 +137,9 @@ def test_cli_continues_the_pattern(trained):
                      devices=1, module="jaxscale.generate")
     assert result.returncode == 0, result.stderr
     assert result.stdout == "cdefab" + "cdefabcdefabc" + "\n"
+    # Orbax's warnings about the read-only checkpoint it was asked to open are not shown.
+    assert "absl" not in result.stderr and "read only" not in result.stderr + result.stdout, result.stderr
+    assert result.stderr == ""
 
 
 def test_cli_takes_a_step_directory_and_samples(trained, capsys):

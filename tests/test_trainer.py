@@ -2,6 +2,7 @@
 to plot, evaluates, saves, gives logits, describes shardings, and holds its workdir."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,3 +32,19 @@ def test_a_trainer_continues_where_it_stopped_on_the_clis_code_path(tiny_config,
     with Trainer(tiny_config, tmp_path / "nb") as again:  # resumes, with the earlier history
         assert again.step == 8 and again.run(2)[0]["step"] == 10
         assert again.metrics["step"] == [1, 2, 4, 6, 8, 10]
+
+
+def test_from_hf_defaults_its_workdir_and_fits_seq_len_to_a_gpt2s_positions(tmp_path, monkeypatch, capsys):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=1, n_head=2, n_positions=32,
+                                 bos_token_id=0, eos_token_id=0)  # 32 positions: fewer than train.seq_len=128
+    transformers.GPT2LMHeadModel(hf).save_pretrained(tmp_path / "tiny-gpt2", safe_serialization=True)
+    monkeypatch.chdir(tmp_path)
+    with Trainer.from_hf(tmp_path / "tiny-gpt2") as trainer:
+        assert trainer.workdir == Path("runs/tiny-gpt2")
+        assert (tmp_path / "runs/tiny-gpt2/hf_import/checkpoints/0").is_dir()
+        assert trainer.config.train.seq_len == 32 and trainer.config.model.max_seq_len == 32
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ") and "seq_len" in line]
+    assert len(notes) == 1 and "train.seq_len=128" in notes[0] and "train.seq_len=32" in notes[0], notes

@@ -7,11 +7,17 @@ exact and order-free, so the digest is the same on any mesh, device count or pro
 a checkpoint saved on one layout is verified after restoring onto another. Every single-bit
 error changes the first sum (its weights are odd), and the index weighting catches swapped
 positions.
+
+The program that computes them is compiled once per process and tree signature (shapes, dtypes,
+shardings). `Digester` keeps that compile off a training loop's path: see its docstring.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import functools
+import math
 import threading
 
 import jax
@@ -91,8 +97,10 @@ class PendingDigests(dict):
         self._ready, self._values, self._error = threading.Event(), None, None
 
     def provide(self, values=None, error: BaseException | None = None) -> None:
-        self._values, self._error = values, error
-        self._ready.set()
+        """Hand over the values (or the error); only the first call counts."""
+        if not self._ready.is_set():
+            self._values, self._error = values, error
+            self._ready.set()
 
     def _resolve(self) -> None:
         self._ready.wait()
@@ -125,14 +133,21 @@ def pending(tree) -> PendingDigests:
                            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]])
 
 
+def _program(leaves):
+    """The jitted digest program for arrays (or ShapeDtypeStructs) like `leaves`."""
+    meshes = [leaf.sharding.mesh for leaf in leaves if isinstance(getattr(leaf, "sharding", None), NamedSharding)]
+    out = NamedSharding(meshes[0], P()) if meshes else None  # replicated: every process can read it
+    return _digest_fn(tuple(_spread(leaf) for leaf in leaves), out)
+
+
 def dispatch(tree):
     """Start computing the digests of every array of a (sharded) pytree on its devices; returns
     the (not yet computed) values. Collective when the arrays span several processes, so every
-    process must call it at the same point."""
+    process must call it at the same point. Compiles the program first unless it already is."""
     leaves = jax.tree.leaves(tree)
-    meshes = [leaf.sharding.mesh for leaf in leaves if isinstance(getattr(leaf, "sharding", None), NamedSharding)]
-    out = NamedSharding(meshes[0], P()) if meshes else None  # replicated: every process can read it
-    return _digest_fn(tuple(_spread(leaf) for leaf in leaves), out)(leaves)
+    values = _program(leaves)(leaves)
+    _COMPILED.setdefault(_signature(leaves), _done())
+    return values
 
 
 def digests(tree) -> dict[str, str]:
@@ -145,3 +160,103 @@ def digests(tree) -> dict[str, str]:
 def mismatches(saved: dict[str, str], restored: dict[str, str]) -> list[str]:
     """Paths whose restored digest differs from the saved one (missing counts as different)."""
     return sorted(path for path, value in saved.items() if restored.get(path) != value)
+
+
+# -- compiling off the caller's path ------------------------------------------------------------
+
+# Up to this many bytes per device, a second copy of a state is cheap, and the digest program's
+# compile (2-4 s for a TrainState on a 2-core CPU) would be most of what its first save blocks for;
+# above it, copying the state is the larger part of a save, and a second copy might not fit.
+COPY_LIMIT_BYTES = 256 * 2**20
+_COMPILER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jaxscale-digest-compile")
+_COMPILED: dict[tuple, concurrent.futures.Future] = {}  # tree signature -> its compile, done or running
+
+
+def _signature(leaves) -> tuple:
+    return tuple((x.shape, x.dtype, getattr(x, "weak_type", False), getattr(x, "sharding", None)) for x in leaves)
+
+
+def _done() -> concurrent.futures.Future:
+    future = concurrent.futures.Future()
+    future.set_result(None)
+    return future
+
+
+def _compiled(leaves) -> bool:
+    future = _COMPILED.get(_signature(leaves))
+    return future is not None and future.done()
+
+
+def _may_copy(leaves) -> bool:
+    """Whether the digests of these arrays may be dispatched later, on a copy: one process (no
+    other must dispatch at the same point), device arrays only, and a cheap copy (an upper bound
+    of the bytes per device, offloaded arrays excluded, within COPY_LIMIT_BYTES)."""
+    if jax.process_count() > 1 or not all(isinstance(x, jax.Array) for x in leaves):
+        return False
+    per_device = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves
+                     if x.sharding.memory_kind != HOST)
+    return per_device <= COPY_LIMIT_BYTES
+
+
+def _compile(leaves) -> concurrent.futures.Future:
+    """The compile of the program `dispatch` runs on arrays like `leaves`, started in a background
+    thread unless it has run or is running. Once done, dispatching compiles nothing: JAX's caches
+    hold the traced and compiled program."""
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding, weak_type=x.weak_type) for x in leaves]
+    key = _signature(abstract)
+    if key not in _COMPILED:
+        _COMPILED[key] = _COMPILER.submit(lambda: _program(abstract).lower(abstract).compile())
+    return _COMPILED[key]
+
+
+@dataclasses.dataclass
+class _Waiting:
+    mapping: PendingDigests
+    copies: list                      # the saved arrays, copied on their devices
+    compiled: concurrent.futures.Future
+
+
+class Digester:
+    """Starts the digests of saved states without compiling on the caller's path.
+
+    `start` dispatches at once when the program for the tree's signature (shapes, dtypes,
+    shardings) is compiled, or when the digests cannot wait (see _may_copy: the program is then
+    compiled first, as `dispatch` does). Otherwise it copies the arrays on their devices (no
+    compile; the caller may donate the originals afterwards), compiles in a background thread,
+    and dispatches on the copies at the first `poll` after the compile, or at `finish`. Device
+    programs are launched from the caller's thread only: launched from two threads, programs
+    could reach different devices in different orders and deadlock in their collectives. At
+    most one state waits; `start` finishes the previous one first.
+    """
+
+    def __init__(self):
+        self._waiting: _Waiting | None = None
+
+    def start(self, tree, mapping: PendingDigests) -> None:
+        self.finish()
+        leaves = jax.tree.leaves(tree)
+        if _compiled(leaves) or not _may_copy(leaves):
+            mapping.provide(dispatch(leaves))
+            return
+        copies = jax.device_put(leaves, may_alias=False)  # a copy on the devices: nothing to compile
+        self._waiting = _Waiting(mapping, copies, _compile(copies))
+
+    def poll(self) -> None:
+        """Dispatch the waiting state's digests if their program has compiled."""
+        if self._waiting is not None and self._waiting.compiled.done():
+            self.finish()
+
+    def finish(self) -> None:
+        """Dispatch the waiting state's digests now, after the compile if it still runs. A failed
+        background compile is not raised here: the dispatch compiles again, and an error there
+        goes to the mapping, so the save it belongs to fails."""
+        waiting, self._waiting = self._waiting, None
+        if waiting is None:
+            return
+        concurrent.futures.wait([waiting.compiled])
+        try:
+            waiting.mapping.provide(dispatch(waiting.copies))
+        except BaseException as error:
+            waiting.mapping.provide(error=error)
+            if not isinstance(error, Exception):
+                raise

@@ -12,8 +12,10 @@ Restoring takes the target shardings, so a checkpoint restores onto any mesh.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import logging
 import shutil
 import threading
 import time
@@ -66,8 +68,8 @@ def _all_processes(ok: bool) -> bool:
 
 
 def _options(ckpt_cfg, read_only: bool) -> ocp.CheckpointManagerOptions:
-    if read_only:
-        return ocp.CheckpointManagerOptions(read_only=True, create=False)
+    if read_only:  # every saving option off already, so Orbax has none to turn off (and warn about)
+        return ocp.CheckpointManagerOptions(read_only=True, create=False, save_interval_steps=0)
     keep = [ocp.checkpoint_managers.LatestN(n=ckpt_cfg.max_to_keep)]
     if ckpt_cfg.keep_every:
         keep.append(ocp.checkpoint_managers.EveryNSteps(interval_steps=ckpt_cfg.keep_every))
@@ -89,6 +91,27 @@ def _state_handler() -> ocp.PyTreeCheckpointHandler:
     return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
 
 
+class _Drop(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+@contextlib.contextmanager
+def _without_absl_warning(prefix: str):
+    """Drop Orbax's absl log records that start with `prefix` while the block runs (only those:
+    any other warning, from any thread, still shows)."""
+    logger, drop = logging.getLogger("absl"), _Drop(prefix)
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
+
+
 class Checkpointer:
     """Saves when due (every N steps, every M minutes) and restores the newest good step.
 
@@ -104,9 +127,12 @@ class Checkpointer:
         self._last_save_time: datetime.datetime | None = None  # the clock starts at the first due()
         self._pending: int | None = None  # step of the save in flight
         self._failed = False              # a failed save was reported; do not report it twice
+        self._digester = digest.Digester()
         handlers = {"state": _state_handler(), **{item: ocp.JsonCheckpointHandler() for item in JSON_ITEMS}}
-        self._manager = ocp.CheckpointManager(self.directory, options=_options(ckpt_cfg, read_only),
-                                              item_handlers=handlers)
+        # A read-only manager warns that its directory is read only: what was asked for, not news.
+        with _without_absl_warning("Given directory is read only"):
+            self._manager = ocp.CheckpointManager(self.directory, options=_options(ckpt_cfg, read_only),
+                                                  item_handlers=handlers)
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -118,6 +144,7 @@ class Checkpointer:
         """Whether the interval or the time policy asks for a save at this step. With
         checkpoint.every_minutes, process 0 decides and tells the others, so every process
         must call this at every step."""
+        self._digester.poll()
         if self._every and step % self._every == 0:
             return True
         if self._timer is None:
@@ -134,8 +161,10 @@ class Checkpointer:
 
     def save(self, step: int, state, position: dict, meta: dict, config: dict) -> None:
         """Start an asynchronous save of `state`: blocks only while the arrays are copied off the
-        devices (the digests are computed meanwhile and written by the background commit).
+        devices (the digests are computed meanwhile and written by the background commit; the
+        first save of a run compiles their program in the background, see digest.Digester).
         Raises RunError if the previous save failed."""
+        self._digester.finish()  # Orbax waits for the previous commit, which waits for its digests
         if step == self.latest_step():
             return
         digests = digest.pending(state)
@@ -144,7 +173,7 @@ class Checkpointer:
                                   meta=ocp.args.JsonSave(meta), config=ocp.args.JsonSave(config))
         try:
             self._surface_errors(lambda: self._manager.save(step, args=args, force=True))
-            digests.provide(digest.dispatch(state))  # before the next step can donate the state
+            self._digester.start(state, digests)  # before the next step can donate the state
         except BaseException as error:
             digests.provide(error=error)  # never leave the commit thread waiting
             raise
@@ -152,10 +181,12 @@ class Checkpointer:
 
     def check(self) -> None:
         """Raise RunError if a save running in the background has failed."""
+        self._digester.poll()
         self._surface_errors(self._manager.check_for_errors)
 
     def wait(self) -> None:
         """Block until the save in flight has committed (or raise RunError)."""
+        self._digester.finish()
         self._surface_errors(self._manager.wait_until_finished)
         self._pending = None
 
@@ -167,6 +198,7 @@ class Checkpointer:
                 return
             self._failed = True
             step, self._pending = self._pending, None
+            self._digester.finish()  # no writer is left waiting for the digests
             _let_writers_finish(WRITER_GRACE_S)  # their errors are logged before ours, not after it
             self._remove_unfinished(step)
             latest = self.latest_step()
