@@ -31,7 +31,7 @@ from pathlib import Path
 import jax
 
 from jaxscale import config as config_lib
-from jaxscale import loop
+from jaxscale.build import build
 from jaxscale.checkpoint import Checkpointer
 
 # About 19M parameters: 230 MB of float32 parameters and Adam moments.
@@ -51,24 +51,24 @@ def _timed(call) -> float:
 
 def measure(config, repeats: int, workdir: Path) -> dict:
     config.checkpoint.update(every_steps=0, max_to_keep=2)
-    run = loop.setup(config)
+    state = build(config).init_state()
     times = {"async": [], "sync": [], "restore": []}
     meta = {"benchmark": True}
-    jax.block_until_ready(run.state)  # time the save, not the state's initialisation
+    jax.block_until_ready(state)  # time the save, not the state's initialisation
     with Checkpointer(workdir, config.checkpoint) as checkpointer:
         step = 1
-        first = _timed(lambda: checkpointer.save(step, run.state, {}, meta, {}))
+        first = _timed(lambda: checkpointer.save(step, state, {}, meta, {}))
         checkpointer.wait()
         for _ in range(repeats):
             step += 1
-            times["async"].append(_timed(lambda: checkpointer.save(step, run.state, {}, meta, {})))
+            times["async"].append(_timed(lambda: checkpointer.save(step, state, {}, meta, {})))
             checkpointer.wait()
             step += 1
-            times["sync"].append(_timed(lambda: (checkpointer.save(step, run.state, {}, meta, {}),
+            times["sync"].append(_timed(lambda: (checkpointer.save(step, state, {}, meta, {}),
                                                  checkpointer.wait())))
-            times["restore"].append(_timed(lambda: jax.block_until_ready(checkpointer.restore(run.state).state)))
+            times["restore"].append(_timed(lambda: jax.block_until_ready(checkpointer.restore(state).state)))
     medians = {key: statistics.median(values) for key, values in times.items()}
-    return {"state_bytes": _state_bytes(run.state), "devices": jax.device_count(), "repeats": repeats,
+    return {"state_bytes": _state_bytes(state), "devices": jax.device_count(), "repeats": repeats,
             "first_save_s": first, "async_blocking_s": medians["async"], "sync_save_s": medians["sync"],
             "restore_s": medians["restore"], "blocking_ratio": medians["async"] / medians["sync"], "samples": times}
 
