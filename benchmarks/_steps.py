@@ -5,11 +5,19 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import NamedTuple
 
 
-def stepper(config, steps: int = 1):
-    """(the set-up Run, a function timing `steps` steps of its compiled train step and returning
-    the seconds per step). The steps take the run's own batches in order; one warm-up call first."""
+class Stepper(NamedTuple):
+    run: object       # the set-up jaxscale.loop.Run
+    timed: object     # () -> seconds per step over `steps` steps
+    compiled: object  # the compiled train step, for what its program runs
+
+
+def stepper(config, steps: int = 1) -> Stepper:
+    """The run set up, its compiled train step, and a function timing `steps` steps of it and
+    returning the seconds per step. The steps take the run's own batches in order; one warm-up
+    call first."""
     import jax
 
     from jaxscale import loop
@@ -26,7 +34,7 @@ def stepper(config, steps: int = 1):
         return (time.perf_counter() - start) / steps
 
     timed()
-    return run, timed
+    return Stepper(run, timed, compiled)
 
 
 def interleaved(steppers: dict, rounds: int) -> dict:
