@@ -1,25 +1,41 @@
-# Two entry points: `make train` and `make test`. Both create .venv on first use.
+# Entry points: `make train`, `make test`, `make lint`. Each creates .venv on first use.
+# Two stamps, so each target installs only what it needs: `make train` the runtime dependencies
+# (no torch, transformers or trackers), `make test` the test extras on top. Each stamp is redone
+# when pyproject.toml changes; a venv made by `make train` gains the test extras on `make test`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+RUNTIME_STAMP := $(VENV)/.installed-runtime
+TEST_STAMP := $(VENV)/.installed-test
+LINT_PATHS := jaxscale tests benchmarks experiments
 
-.PHONY: train test clean
+.PHONY: train test lint clean
 
-$(STAMP): pyproject.toml
+$(BIN)/python:
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "jaxscale needs Python 3.11+"'
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e ".[test]"
+
+$(RUNTIME_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e .
 	touch $@
 
-train: $(STAMP)
+# .[test] includes the runtime dependencies, so it renews the runtime stamp too.
+$(TEST_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@ $(RUNTIME_STAMP)
+
+train: $(RUNTIME_STAMP)
 	$(BIN)/python -m jaxscale.train --config=configs/tiny.py --workdir=runs/tiny
 
+lint: $(TEST_STAMP)
+	$(BIN)/ruff check $(LINT_PATHS)
+
+# Lint first: it takes seconds, the suite minutes.
 # Two workers, one test file each at a time (module fixtures stay shared); compiling is
 # single-threaded, so two workers keep both cores busy. Compiled programs are cached per session.
 # Tests marked serial measure contention between processes and run alone afterwards.
-test: $(STAMP)
+test: lint $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial" tests
 	$(BIN)/python -m pytest -q -m serial tests
 

@@ -5,6 +5,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import NamedTuple
+
+
+class Stepper(NamedTuple):
+    run: object       # the built jaxscale.build.Run
+    timed: object     # () -> seconds per step over `steps` steps
+    compiled: object  # the compiled train step, for what its program runs
+    live: dict        # {'state': the latest TrainState}
 
 
 def prepare(config, devices=None):
@@ -18,10 +26,10 @@ def prepare(config, devices=None):
     return run, compiled, seconds, run.init_state(), make_data(config, run.batch_sharding).train_batches(0)
 
 
-def stepper(config, steps: int = 1):
-    """(the built Run, a function timing `steps` steps of its compiled train step and returning
-    the seconds per step, its latest state in `live['state']`). The steps take the run's own
-    batches in order; one warm-up call first."""
+def stepper(config, steps: int = 1) -> Stepper:
+    """The run built, its compiled train step, and a function timing `steps` steps of it and
+    returning the seconds per step. The steps take the run's own batches in order; one warm-up
+    call first."""
     import jax
 
     run, compiled, _, state, batches = prepare(config)
@@ -35,8 +43,7 @@ def stepper(config, steps: int = 1):
         return (time.perf_counter() - start) / steps
 
     timed()
-    timed.live = live
-    return run, timed
+    return Stepper(run, timed, compiled, live)
 
 
 def interleaved(steppers: dict, rounds: int) -> dict:

@@ -26,7 +26,8 @@ the collectives chained inside one call by lax.fori_loop to amortise dispatch. T
 loop also slices its output back to the input (SIZE/n bytes) and the reduce-scatter loop writes
 its result into its input (SIZE/n bytes), so their times include that much copying. The
 compiled program is checked: `hlo` in each row counts the collectives XLA actually runs per call
-(jaxscale.profile), which shows when a backend lowers one collective as another.
+(jaxscale.profile), which shows when a backend lowers one collective as another, and
+`hlo_result_bytes` sums their per-device result sizes, which shows the size the program moves.
 With several processes (--distributed) each times its own calls and process 0 reports.
 """
 
@@ -143,12 +144,13 @@ def measure(mesh, axis: str, collective: str, size: int, repeats: int, iters: in
     seconds = _median_call(compiled, x, repeats) / iters
     nbytes = elements * 4
     algbw = nbytes / seconds / 1e9
-    hlo = {kind: s["count"] for kind, s in collective_stats(compiled.as_text()).items() if s["count"]}
+    stats = {kind: s for kind, s in collective_stats(compiled.as_text()).items() if s["count"]}
     if jax.process_index() == 0:
         print(f"{axis} {collective} {_common.size_text(nbytes)}: {seconds * 1e6:,.1f} µs", file=sys.stderr, flush=True)
     return {"axis": axis, "axis_size": n, "collective": collective, "bytes": nbytes, "time_s": seconds,
             "algbw_GBps": algbw, "bus_factor": bus_factor(collective, n),
-            "busbw_GBps": algbw * bus_factor(collective, n), "hlo": hlo}
+            "busbw_GBps": algbw * bus_factor(collective, n), "hlo": {kind: s["count"] for kind, s in stats.items()},
+            "hlo_result_bytes": {kind: s["bytes"] for kind, s in stats.items()}}
 
 
 def table(rows: list[dict], mesh_text: str, iters: int, repeats: int) -> str:
@@ -214,7 +216,8 @@ def main() -> None:
     if unknown := set(axes) - set(mesh.shape):
         _bad(f"--axes names {', '.join(sorted(unknown))}; axes are {', '.join(mesh.shape)}")
     names = _collectives(args.collectives)
-    rows = [measure(mesh, axis, name, size, args.repeats, args.iters) for axis in axes for name in names for size in sizes]
+    rows = [measure(mesh, axis, name, size, args.repeats, args.iters)
+            for axis in axes for name in names for size in sizes]
     mesh_text = " x ".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1) or "1 device"
     text = _common.entry(f"collectives: mesh {mesh_text}",
                          table(rows, mesh_text, args.iters, args.repeats))

@@ -62,8 +62,8 @@ def main() -> None:
     _common.fake_cpu_devices(args.devices)
     import jax
 
-    rows, lines = [], ["| seq_len | none: step, temp/device | ring: step, temp/device | all_gather: step, temp/device |",
-                       "|---|---|---|---|"]
+    rows, lines = [], ["| seq_len | none: step, temp/device | ring: step, temp/device "
+                       "| all_gather: step, temp/device |", "|---|---|---|---|"]
     for length in (int(x) for x in args.lengths.split(",")):
         for mode in MODES:
             step_s, temp = _measure(_config(mode, length, args.devices), args.steps, 1,

@@ -83,7 +83,8 @@ def main() -> None:
     parser.add_argument("--config", default="configs/tiny.py")
     parser.add_argument("--override", action="append", default=[], help="a.b=value, as --config.a.b")
     parser.add_argument("--layout", action="append", default=[],
-                        help=f"mesh axes and zero_stage, e.g. data=2,fsdp=4,zero_stage=1 (default: {' '.join(LAYOUTS)})")
+                        help="mesh axes and zero_stage, e.g. data=2,fsdp=4,zero_stage=1 "
+                             f"(default: {' '.join(LAYOUTS)})")
     parser.add_argument("--platform", default=None, help="plan for cpu|gpu|tpu (compute dtype); default: this backend")
     _common.add_flags(parser)
     args = parser.parse_args()

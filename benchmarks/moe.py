@@ -42,10 +42,10 @@ def measure(config_path: str, overrides: list[str], devices: int, rounds: int, s
         config = config_lib.load(config_path)
         config_lib.apply_overrides(config, overrides + ["mesh.data=-1"] + extra)
         prepared[name] = _steps.stepper(config, steps)
-    medians = _steps.interleaved({name: timed for name, (_, timed) in prepared.items()}, rounds)
+    medians = _steps.interleaved({name: s.timed for name, s in prepared.items()}, rounds)
     rows = []
-    for name, (run, _) in prepared.items():
-        params = run.abstract_state.params
+    for name, s in prepared.items():
+        run, params = s.run, s.run.abstract_state.params
         rows.append({"layout": name, "step_s": medians[name], "mesh": dict(run.layout.mesh.shape),
                      "params": metrics_lib.non_embedding_params(params),
                      "active_params": metrics_lib.active_params(params, run.model.spec)})
@@ -55,9 +55,10 @@ def measure(config_path: str, overrides: list[str], devices: int, rounds: int, s
 
 
 def report(result: dict) -> str:
+    header = ["| model, layout | median step | vs dense | non-embedding params | active per token |",
+              "|---|---|---|---|---|"]
     return _common.entry(f"moe: against the dense model of equal active parameters on {result['devices']} devices",
-                         "\n".join(["| model, layout | median step | vs dense | non-embedding params | active per token |",
-                                    "|---|---|---|---|---|"]
+                         "\n".join(header
                                    + [f"| {r['layout']} | {r['step_s'] * 1e3:,.1f} ms | {r['step_ratio']:.2f} "
                                       f"| {r['params']:,} | {r['active_params']:,} |" for r in result["rows"]]))
 
@@ -71,7 +72,8 @@ def main() -> None:
     _common.add_flags(parser)
     args = parser.parse_args()
     _common.fake_cpu_devices(args.devices)
-    overrides = (SMOKE if args.smoke else []) + ["tracking.writers=jsonl", "train.eval_every=0", "metrics.progress=False"]
+    overrides = (SMOKE if args.smoke else []) + ["tracking.writers=jsonl", "train.eval_every=0",
+                                                 "metrics.progress=False"]
     rounds, steps = (1, 1) if args.smoke else (args.rounds, args.steps)
     result = measure(args.config, overrides, args.devices, rounds, steps, args.smoke)
     _common.report(args, report(result), {"benchmark": "moe", "config": args.config, "overrides": overrides, **result})

@@ -16,12 +16,13 @@ import _common  # noqa: I001  (first: puts this checkout's jaxscale on sys.path)
 
 import argparse
 
-import _steps
 import jax
 
 from jaxscale import config as config_lib
 from jaxscale.offload import HOST
 from jaxscale.plan import shard_bytes
+
+import _steps
 
 MODES = {"none": {}, "optimizer_state": {"optimizer_state": True},
          "optimizer_state+params": {"optimizer_state": True, "params": True}}
@@ -37,12 +38,13 @@ def _config(config, mode: dict):
 
 def measure(config, rounds: int, steps: int) -> dict:
     prepared = {name: _steps.stepper(_config(config, mode), steps) for name, mode in MODES.items()}
-    medians = _steps.interleaved({name: timed for name, (_, timed) in prepared.items()}, rounds)
+    medians = _steps.interleaved({name: s.timed for name, s in prepared.items()}, rounds)
     rows = []
-    for name, (_, timed) in prepared.items():
-        state = (timed.live["state"].params, timed.live["state"].opt_state)
+    for name, s in prepared.items():
+        state = (s.live["state"].params, s.live["state"].opt_state)
         host = shard_bytes(state, HOST)
-        rows.append({"mode": name, "step_s": medians[name], "host_bytes": host, "device_bytes": shard_bytes(state) - host})
+        rows.append({"mode": name, "step_s": medians[name], "host_bytes": host,
+                     "device_bytes": shard_bytes(state) - host})
     for row in rows:
         row["step_ratio"] = row["step_s"] / rows[0]["step_s"]
     return {"devices": jax.device_count(), "rounds": rounds, "steps": steps, "rows": rows}
@@ -51,8 +53,9 @@ def measure(config, rounds: int, steps: int) -> dict:
 def report(result: dict) -> str:
     return _common.entry(f"offload: state in host memory on {result['devices']} devices", "\n".join(
         ["| offloaded | median step | vs none | state on each device | in host memory |", "|---|---|---|---|---|"]
-        + [f"| {r['mode']} | {r['step_s'] * 1e3:,.1f} ms | {r['step_ratio']:.3f} | {_common.size_text(r['device_bytes'])} "
-           f"| {_common.size_text(r['host_bytes'])} |" for r in result["rows"]]))
+        + [f"| {r['mode']} | {r['step_s'] * 1e3:,.1f} ms | {r['step_ratio']:.3f} "
+           f"| {_common.size_text(r['device_bytes'])} | {_common.size_text(r['host_bytes'])} |"
+           for r in result["rows"]]))
 
 
 def main() -> None:

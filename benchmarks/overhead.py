@@ -37,7 +37,6 @@ from jaxscale.session import Session, open_session
 from jaxscale.optim import make_optimizer
 from jaxscale.step import compute_dtype
 
-
 SMOKE_OVERRIDES = ["model.d_model=64", "model.d_ff=128", "train.seq_len=32", "train.global_batch_size=8"]
 
 
@@ -157,9 +156,11 @@ def report(config_path: str, result: dict) -> str:
     return _common.entry(f"overhead: `{config_path}` on {jax.device_count()} devices", "\n".join([
         "| step | median step time | tokens/s |",
         "|---|---|---|",
-        f"| jaxscale loop (data, metrics, checkpoint every {result['checkpoint_every']}) | {result['loop_s'] * 1e3:.1f} ms "
-        f"(mean {result['loop_mean_s'] * 1e3:.1f} ms) | {result['tokens'] / result['loop_s']:,.0f} |",
-        f"| bare JAX step, resident batch | {result['bare_s'] * 1e3:.1f} ms | {result['tokens'] / result['bare_s']:,.0f} |",
+        f"| jaxscale loop (data, metrics, checkpoint every {result['checkpoint_every']}) "
+        f"| {result['loop_s'] * 1e3:.1f} ms (mean {result['loop_mean_s'] * 1e3:.1f} ms) "
+        f"| {result['tokens'] / result['loop_s']:,.0f} |",
+        f"| bare JAX step, resident batch | {result['bare_s'] * 1e3:.1f} ms "
+        f"| {result['tokens'] / result['bare_s']:,.0f} |",
         "",
         f"ratio jaxscale/bare: **{result['step_time_ratio']:.3f}**; same math check: relative loss gap "
         f"{result['loss_gap']:.1e}.",

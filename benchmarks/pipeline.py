@@ -8,7 +8,8 @@ batch, for each microbatch count M. GPipe runs M+P-1 ticks of B/M sequences each
 are bubble, so the step time should follow  t(M) = c + c(P-1)/M. A least-squares line through
 t against 1/M gives the bubble-free time c (its intercept); the table compares the measured idle
 share 1 - c/t(M) with the formula (P-1)/(M+P-1). `--json` prints the rows (microbatches,
-step_s, idle_share, formula) and the fit (work_s, slope_s, bubble_ratio against formula_ratio).
+step_s, idle_share, formula, and hlo_permutes: the stage-to-stage transfers the compiled step
+runs) and the fit (work_s, slope_s, bubble_ratio against formula_ratio).
 """
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ def _fit(times: dict[int, float]) -> dict:
     return {"work_s": float(work), "slope_s": float(slope), "bubble_ratio": float(slope / work)}
 
 
+def _permutes(compiled) -> int:
+    """Stage-to-stage transfers the compiled step runs: one per tick each way, so GPipe's count is
+    2 (M + P - 1), the ticks the bubble formula assumes."""
+    from jaxscale.profile import collective_stats
+
+    return collective_stats(compiled.as_text())["collective-permute"]["count"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stages", type=int, default=2)
@@ -57,11 +66,12 @@ def main() -> None:
 
     counts = [int(x) for x in args.microbatches.split(",")]
     batch, v, p = max(counts), args.virtual_stages, args.stages
-    times = _steps.interleaved({m: _steps.stepper(_config(p, m, batch, v, args.seq_len))[1] for m in counts},
-                                 args.steps)
+    steppers = {m: _steps.stepper(_config(p, m, batch, v, args.seq_len)) for m in counts}
+    times = _steps.interleaved({m: s.timed for m, s in steppers.items()}, args.steps)
     fit = {**_fit(times), "formula_ratio": (p - 1) / v}
     rows = [{"microbatches": m, "step_s": times[m], "idle_share": 1 - fit["work_s"] / times[m],
-             "formula": bubble_fraction(p, m, v)} for m in counts]
+             "formula": bubble_fraction(p, m, v), "hlo_permutes": _permutes(steppers[m].compiled)}
+            for m in counts]
     name = f"circular V={v}" if v > 1 else "gpipe"
     lines = ["| microbatches M | median step | measured idle share | formula (P-1)/(V*M+P-1) |", "|---|---|---|---|"]
     lines += [f"| {r['microbatches']} | {r['step_s'] * 1e3:,.0f} ms | {r['idle_share']:.2f} | {r['formula']:.2f} |"

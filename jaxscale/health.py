@@ -38,35 +38,56 @@ def check(config) -> None:
 
 
 class Watchdog:
-    """Call beat() after every step; stop() before waits that have their own bounds."""
+    """Ends a process whose steps stopped: once steps flow, no beat for `seconds` (0: off) dumps
+    every thread's stack to stderr and exits 1.
+
+    The loop calls start() before its steps, beat(step) after issuing each one, and stop() before
+    waits that have their own bounds (start() again after them). The deadline arms at the second
+    beat after start(): the first step waits for every process to arrive (compiling, starting,
+    restoring), which on a loaded machine can outlast any step; and a beat comes when a step is
+    issued, not when it has run (dispatch is asynchronous), so only the next beat shows that the
+    loop got past the first step's results (it fetches step 1's metrics before issuing step 2).
+    A job that hangs before its first step is left to the runtime's heartbeat and the scheduler.
+    """
+
+    ARM_AT_BEAT = 2
 
     def __init__(self, seconds: float, poll: float = 1.0):
         self.seconds, self._poll = seconds, min(poll, seconds / 4 or poll)
-        self._last, self._step = time.monotonic(), 0
+        self._beats, self._step = 0, 0
+        self._since: float | None = None  # when the deadline last restarted; None while unarmed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         if self.seconds > 0 and self._thread is None:
-            self._last, self._stop = time.monotonic(), threading.Event()
+            self._beats, self._since, self._stop = 0, None, threading.Event()
             self._thread = threading.Thread(target=self._watch, name="jaxscale-watchdog", daemon=True)
             self._thread.start()
         return self
 
+    @property
+    def armed(self) -> bool:
+        """Whether the deadline runs: from the second beat after start() until stop()."""
+        return self._since is not None
+
     def beat(self, step: int) -> None:
-        self._last, self._step = time.monotonic(), step
+        self._step, self._beats = step, self._beats + 1
+        if self._beats >= self.ARM_AT_BEAT:
+            self._since = time.monotonic()  # one assignment: the watching thread reads it unlocked
 
     def stop(self) -> None:
         self._stop.set()
+        self._since = None
         if self._thread is not None:
             self._thread.join()
             self._thread = None
 
     def _watch(self) -> None:
         while not self._stop.wait(self._poll):
-            idle = time.monotonic() - self._last
-            if idle > self.seconds:
-                self._expire(idle)
+            since = self._since
+            if since is not None and time.monotonic() - since > self.seconds:
+                self._expire(time.monotonic() - since)
 
     def _expire(self, idle: float) -> None:
         print(f"jaxscale: error: process {jax.process_index()}: no step completed for {idle:.0f}s after step "

@@ -16,19 +16,26 @@ import pytest
 from conftest import ROOT
 
 BENCH = ROOT / "benchmarks"
+# nccl-tests' definitions (doc/PERFORMANCE.md), for a row of SIZE bytes on an axis of n ranks:
+# busbw / algbw, and the bytes each rank's collective returns.
 BUS_FACTOR = {"all-reduce": lambda n: 2 * (n - 1) / n, "all-gather": lambda n: (n - 1) / n,
               "reduce-scatter": lambda n: (n - 1) / n, "all-to-all": lambda n: (n - 1) / n,
               "collective-permute": lambda n: 1.0}
+RESULT_BYTES = {"all-reduce": lambda size, n: size, "all-gather": lambda size, n: size,
+                "reduce-scatter": lambda size, n: size // n, "all-to-all": lambda size, n: size,
+                "collective-permute": lambda size, n: size}
 
 
 def _check_collectives(out):
     assert {(r["axis"], r["axis_size"]) for r in out["rows"]} == {("data", 2), ("tensor", 4)}
     assert len(out["rows"]) == 2 * len(BUS_FACTOR)  # every collective on both axes, one size
     for r in out["rows"]:
+        name, n = r["collective"], r["axis_size"]
         assert r["time_s"] > 0 and r["bytes"] == 1024
-        assert r["algbw_GBps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9)
-        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * BUS_FACTOR[r["collective"]](r["axis_size"]))
-        assert r["hlo"] == {r["collective"]: out["iters"]}  # the program runs what the row claims
+        assert r["bus_factor"] == pytest.approx(BUS_FACTOR[name](n))
+        # The compiled program runs the collective the row names, on the size the row claims.
+        assert r["hlo"] == {name: out["iters"]}
+        assert r["hlo_result_bytes"] == {name: out["iters"] * RESULT_BYTES[name](r["bytes"], n)}
 
 
 def _check_memory(out):
@@ -41,22 +48,33 @@ def _check_memory(out):
 
 
 def _check_overhead(out):
-    assert out["loop_s"] > 0 and out["bare_s"] > 0 and out["loss_gap"] < 1e-4
-    assert out["step_time_ratio"] == pytest.approx(out["loop_s"] / out["bare_s"])
-    assert out["compile_time_ratio"] == pytest.approx(out["loop_first_step_s"] / out["bare_first_step_s"])
-    assert out["loop_first_step_s"] > out["loop_s"]  # the first step includes compiling
+    assert out["loss_gap"] < 1e-4  # the bare step computes the same loss: the comparison is fair
+    # Each first step includes compiling, which takes longer than a step of this tiny model.
+    assert out["loop_first_step_s"] > out["loop_s"] > 0 and out["bare_first_step_s"] > out["bare_s"] > 0
+    # The loop's step time includes the device work it waits for: it cannot be far below a bare
+    # step of the same math (a loop timing only the dispatch would be ~100x below; measured 3.8).
+    assert out["step_time_ratio"] > 0.2, out
 
 
 def _check_context_parallel(out):
-    assert [r["mode"] for r in out["rows"]] == ["none", "ring", "all_gather"]
-    assert all(r["step_s"] > 0 and r["temp_bytes"] > 0 for r in out["rows"])
+    rows = {r["mode"]: r for r in out["rows"]}
+    assert list(rows) == ["none", "ring", "all_gather"]
+    assert all(r["step_s"] > 0 and r["temp_bytes"] > 0 for r in rows.values())
+    # Splitting the sequence over 2 devices cuts each one's temporaries (measured by 10% at this
+    # short length, where the parameter-sized temporaries every mode has dominate).
+    assert rows["ring"]["temp_bytes"] < rows["none"]["temp_bytes"]
+    assert rows["all_gather"]["temp_bytes"] < rows["none"]["temp_bytes"]
 
 
 def _check_pipeline(out):
     assert [r["microbatches"] for r in out["rows"]] == [2, 4]
     for r in out["rows"]:
-        assert r["step_s"] > 0 and r["formula"] == pytest.approx(1 / (r["microbatches"] + 1))  # P=2
-    assert out["fit"]["formula_ratio"] == 1.0
+        m = r["microbatches"]
+        assert r["step_s"] > 0 and r["formula"] == pytest.approx(1 / (m + 1))  # GPipe, P=2: (P-1)/(M+P-1)
+        # The formula holds for the program that runs: M+P-1 ticks, each passing activations to
+        # the next stage forward and gradients back. (The measured idle share is not checked: at
+        # smoke size on a shared 2-core machine it ranged from -0.7x to 1.5x the formula.)
+        assert r["hlo_permutes"] == 2 * (m + 2 - 1), r
 
 
 def _check_checkpoint(out):
@@ -70,15 +88,20 @@ def _check_gpu(out):
     assert [(r["remat"], r["flag_set"]) for r in out["rows"]] == [("none", "jaxscale"), ("full", "jaxscale")]
     for r in out["rows"]:
         assert "error" not in r, r
-        assert r["step_s"] > 0 and r["tokens_per_sec"] == pytest.approx(r["batch"] * r["seq_len"] / r["step_s"])
+        assert r["step_s"] > 0 and r["tokens_per_sec"] > 0
         assert r["mfu"] is None and r["device"] == "cpu"  # no known peak on CPU
+    none, full = out["rows"]
+    assert full["temp_bytes"] < none["temp_bytes"]  # remat keeps fewer activations (measured 0.77x)
+    # Remat recomputes the same forward pass: the same losses, to bf16 rounding (measured 6e-6).
+    assert full["loss"] == pytest.approx(none["loss"], rel=1e-4)
 
 
 def _check_offload(out):
     rows = {r["mode"]: r for r in out["rows"]}
     assert list(rows) == ["none", "optimizer_state", "optimizer_state+params"]
     assert rows["none"]["host_bytes"] == 0 and rows["optimizer_state+params"]["device_bytes"] < 1024
-    assert rows["none"]["device_bytes"] == rows["optimizer_state"]["device_bytes"] + rows["optimizer_state"]["host_bytes"]
+    moved = rows["optimizer_state"]
+    assert rows["none"]["device_bytes"] == moved["device_bytes"] + moved["host_bytes"]
     assert all(r["step_s"] > 0 for r in rows.values())
 
 
@@ -89,7 +112,7 @@ def _check_moe(out):
     assert moe["mesh"]["expert"] == 2 and moe["mesh"]["data"] == 4
     assert dense["params"] == dense["active_params"] < moe["active_params"] < moe["params"]
     assert moe["active_params"] - dense["active_params"] == 128 * 8  # the router: d_model x experts, 1 MoE layer
-    assert all(r["step_s"] > 0 for r in rows.values()) and dense["step_ratio"] == 1.0
+    assert all(r["step_s"] > 0 for r in rows.values())
 
 
 BENCHMARKS = {  # file -> (extra arguments, check of its JSON)

@@ -1,33 +1,78 @@
-"""MFU arithmetic (PaLM convention), the peak table, and the writers."""
-
-import json
+"""MFU inputs: the peak a device's reported kind resolves to, and FLOPs per token (PaLM convention)
+checked against XLA's own count of the compiled forward and backward pass."""
 
 import jax
+import jax.numpy as jnp
+import optax
 import pytest
 
 from jaxscale import metrics
 from jaxscale.models import LanguageModel, ModelSpec
 
 
-def test_peak_table():
-    assert metrics.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
-    assert metrics.peak_tflops("NVIDIA H100 PCIe") == 756.0
-    assert metrics.peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
-    assert metrics.peak_tflops("TPU v5 lite") == 197.0
-    assert metrics.peak_tflops("cpu") is None
+# device_kind as jax reports it on each device -> its dense bf16 peak in TFLOP/s from the vendor's
+# datasheet. The pairs that share a prefix (H100 SXM and PCIe, TPU v5p and v5e, L40S and L40,
+# A100 and A10G) are the ones a substring match can get wrong.
+@pytest.mark.parametrize("device_kind, peak", [
+    ("NVIDIA H100 80GB HBM3", 989.0),        # H100 SXM5
+    ("NVIDIA H100 PCIe", 756.0),
+    ("NVIDIA H200", 989.0),
+    ("NVIDIA GH200 480GB", 989.0),
+    ("NVIDIA A100-SXM4-80GB", 312.0),
+    ("NVIDIA A100-SXM4-40GB", 312.0),
+    ("NVIDIA A100-PCIE-40GB", 312.0),
+    ("NVIDIA A100 80GB PCIe", 312.0),
+    ("NVIDIA L40S", 362.0),
+    ("NVIDIA B200", 2250.0),
+    ("TPU v4", 275.0),
+    ("TPU v5 lite", 197.0),                  # v5e
+    ("TPU v5", 459.0),                       # v5p
+    ("TPU v6 lite", 918.0),                  # v6e (Trillium)
+])
+def test_a_known_device_kind_resolves_to_its_own_peak(device_kind, peak):
+    assert metrics.peak_tflops(device_kind) == peak
 
 
-def test_flops_per_token_matches_hand_count():
-    spec = ModelSpec(family="llama", num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
-                     vocab_size=256, tie_embeddings=False)
-    params = jax.eval_shape(LanguageModel(spec).init, jax.random.PRNGKey(0))
-    # per layer: q,o 64*64 each; k,v 64*32 each; mlp 3*64*128; two norms 64 each
-    per_layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64
-    n = 2 * per_layer + 64 + 64 * 256  # final norm + untied head; the embedding is excluded
-    assert metrics.non_embedding_params(params) == n
-    assert metrics.flops_per_token(spec, n, 128) == 6 * n + 12 * 2 * 4 * 16 * 128
+@pytest.mark.parametrize("device_kind", ["cpu", "NVIDIA A10G", "NVIDIA L40", "Tesla V100-SXM2-16GB", "TPU v3",
+                                         "AMD Instinct MI300X", ""])
+def test_an_unknown_device_has_no_peak(device_kind):
+    # A wrong peak would report a plausible but false MFU; None shows it as unknown.
+    assert metrics.peak_tflops(device_kind) is None
 
 
-def test_mfu():
-    assert metrics.mfu(1000.0, 1e9, 2, None) is None
-    assert metrics.mfu(1000.0, 1e9, 2, 100.0) == pytest.approx(1000 * 1e9 / (2 * 100e12))
+def _compiled_flops(model: LanguageModel, batch: int, seq_len: int) -> float:
+    """XLA's FLOP count of one forward and backward pass of the loss (the optimizer's O(N) work,
+    which the convention leaves out, is not in it)."""
+    def loss(params, tokens):
+        logits = model.apply(params, tokens)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens).mean()
+
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0))
+    tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+    cost = jax.jit(jax.value_and_grad(loss)).lower(params, tokens).compile().cost_analysis()
+    return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+
+def test_flops_per_token_matches_the_compiled_step():
+    # One layer: XLA counts the body of the layer scan once, whatever its trip count (2 layers
+    # measured 0.56 of the formula). Untied embeddings: the tied case (head = embedding, so not
+    # in N) is a known gap of the formula.
+    spec = ModelSpec(family="llama", num_layers=1, d_model=128, num_heads=4, num_kv_heads=2, d_ff=512,
+                     vocab_size=512, max_seq_len=512, tie_embeddings=False)
+    batch, seq_len = 1, 512
+    model = LanguageModel(spec)
+    n = metrics.non_embedding_params(jax.eval_shape(model.init, jax.random.PRNGKey(0)))
+    formula = metrics.flops_per_token(spec, n, seq_len) * batch * seq_len
+    ratio = _compiled_flops(model, batch, seq_len) / formula
+    # Measured 1.024 (jax 0.10, CPU): the excess is the elementwise work (norms, softmax, RoPE,
+    # SiLU, the loss) the convention leaves out. Here the attention term is 30% of the formula and
+    # the untied head 15% of it, so leaving either out, counting it twice, or counting the
+    # embedding table as a matmul lands well outside this band.
+    assert 0.98 < ratio < 1.06, ratio
+
+
+def test_mfu_is_achieved_flops_over_the_summed_peak():
+    flops_per_token, devices, peak_tflops = 6e9, 2, 100.0
+    half_the_peak = 0.5 * devices * peak_tflops * 1e12 / flops_per_token  # tokens/s
+    assert metrics.mfu(half_the_peak, flops_per_token, devices, peak_tflops) == pytest.approx(0.5)
+    assert metrics.mfu(half_the_peak, flops_per_token, devices, None) is None

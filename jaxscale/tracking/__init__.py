@@ -7,6 +7,7 @@ MLflow and W&B runs are resumed, not restarted, when a run resumes: their ids ar
 checkpoint (`tracker.ids`) and handed back here.
 """
 
-from jaxscale.tracking.tracker import EXTRAS, WRITERS, Tracker, check, check_writers, flat_config, parse_writers
+from jaxscale.tracking.fields import flat_config
+from jaxscale.tracking.tracker import EXTRAS, WRITERS, Tracker, check, check_writers, parse_writers
 
 __all__ = ["EXTRAS", "WRITERS", "Tracker", "check", "check_writers", "flat_config", "parse_writers"]

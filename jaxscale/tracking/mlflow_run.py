@@ -10,8 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from jaxscale.tracking.tensorboard import numeric
-from jaxscale.tracking.tracker import flat_config
+from jaxscale.tracking.fields import flat_config, numeric
 
 PARAMS_PER_CALL = 100  # MLflow's limit for one log_batch
 

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
-def numeric(record: dict) -> dict[str, float]:
-    """The record's numbers except the step (None and text left out)."""
-    return {k: float(v) for k, v in record.items()
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+from jaxscale.tracking.fields import numeric
 
 
 class TensorBoardWriter:

@@ -35,17 +35,6 @@ def check(config) -> None:
     check_writers(config.tracking.writers)
 
 
-def flat_config(config) -> dict[str, object]:
-    """{'model.d_model': 256, ...}: hyperparameters as trackers take them."""
-    def walk(node, prefix):
-        for key, value in node.items():
-            if isinstance(value, dict):
-                yield from walk(value, f"{prefix}{key}.")
-            else:
-                yield prefix + key, value
-    return dict(walk(config.to_dict(), ""))
-
-
 def _writer(name: str, workdir: Path, config, run_id: str | None):
     if name == "jsonl":
         from jaxscale.tracking.jsonl import JsonlWriter
@@ -67,12 +56,13 @@ class Tracker:
         self._writers = writers
 
     @classmethod
-    def open(cls, workdir: Path, config, run_ids: dict | None = None) -> "Tracker":
+    def open(cls, workdir: Path, config, run_ids: dict | None = None) -> Tracker:
         """The writers of `tracking.writers`; MLflow/W&B continue the runs in `run_ids` if given."""
         if jax.process_index() != 0:
             return cls({})
         run_ids = run_ids or {}
-        names = dict.fromkeys(["jsonl", *parse_writers(config.tracking.writers)])  # metrics.jsonl always: reports read it
+        # metrics.jsonl always: the reports read it
+        names = dict.fromkeys(["jsonl", *parse_writers(config.tracking.writers)])
         return cls({name: _writer(name, Path(workdir), config, run_ids.get(name)) for name in names})
 
     @property

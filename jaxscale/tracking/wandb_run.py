@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jaxscale.tracking.tensorboard import numeric
-from jaxscale.tracking.tracker import flat_config
+from jaxscale.tracking.fields import flat_config, numeric
 
 
 class WandbWriter:
