@@ -61,11 +61,11 @@ def measure(config, repeats: int, workdir: Path) -> dict:
         checkpointer.wait()
         for _ in range(repeats):
             step += 1
-            times["async"].append(_timed(lambda: checkpointer.save(step, state, {}, meta, {})))
+            times["async"].append(_timed(lambda step=step: checkpointer.save(step, state, {}, meta, {})))
             checkpointer.wait()
             step += 1
-            times["sync"].append(_timed(lambda: (checkpointer.save(step, state, {}, meta, {}),
-                                                 checkpointer.wait())))
+            times["sync"].append(_timed(lambda step=step: (checkpointer.save(step, state, {}, meta, {}),
+                                                           checkpointer.wait())))
             times["restore"].append(_timed(lambda: jax.block_until_ready(checkpointer.restore(state).state)))
     medians = {key: statistics.median(values) for key, values in times.items()}
     return {"state_bytes": _state_bytes(state), "devices": jax.device_count(), "repeats": repeats,

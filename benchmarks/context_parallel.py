@@ -14,10 +14,11 @@ per (seq_len, mode) with step_s and temp_bytes.
 from __future__ import annotations
 
 import _common  # noqa: I001  (first: puts this checkout's jaxscale on sys.path)
-import _steps
 
 import argparse
 import sys
+
+import _steps
 
 MODES = ("none", "ring", "all_gather")
 

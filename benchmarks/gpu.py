@@ -16,7 +16,6 @@ defaults. A combination that does not fit in memory is reported as such, not fat
 from __future__ import annotations
 
 import _common  # noqa: I001  (first: puts this checkout's jaxscale on sys.path)
-import _steps
 
 import argparse
 import itertools
@@ -26,6 +25,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+import _steps
 
 SMOKE = {"configs": "configs/tiny.py", "batch_sizes": "8", "remat": "none,full", "flag_sets": "jaxscale",
          "seq_len": 64, "steps": 2}

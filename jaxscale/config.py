@@ -19,9 +19,18 @@ from pathlib import Path
 import ml_collections
 
 from jaxscale.errors import ConfigError
-from jaxscale.names import AXES, DEFAULT_RULES
+
 # Re-exported: config.py was their home before names.py.
-from jaxscale.names import ATTENTION_IMPLS, CONTEXT_PARALLEL, DTYPES, FAMILIES, REMAT_POLICIES, SOURCES  # noqa: F401
+from jaxscale.names import (  # noqa: F401
+    ATTENTION_IMPLS,
+    AXES,
+    CONTEXT_PARALLEL,
+    DEFAULT_RULES,
+    DTYPES,
+    FAMILIES,
+    REMAT_POLICIES,
+    SOURCES,
+)
 
 
 def defaults() -> ml_collections.ConfigDict:
@@ -196,7 +205,7 @@ def set_value(config, dotted: str, value) -> None:
     """Set config.<dotted> = value with the default's type; unknown keys are errors."""
     *parents, leaf = dotted.split(".")
     node = config
-    for depth, name in enumerate(parents):
+    for _, name in enumerate(parents):
         if name not in node or not isinstance(node[name], ml_collections.ConfigDict):
             raise ConfigError(dotted, value, f"unknown section '{name}'; {_suggest(name, node.keys())}")
         node = node[name]

@@ -72,11 +72,11 @@ def from_hf(hf_dir, out_dir, config) -> int:
 
 def to_hf(checkpoint: str, hf_dir) -> int:
     """Write a checkpoint's parameters as an HF checkpoint; returns the step exported."""
+    import jax
+
     from jaxscale.checkpoint import load_params
     from jaxscale.interop import save_hf
     from jaxscale.models import model_from_config
-
-    import jax
 
     config, params, step = load_params(checkpoint, field="CKPT")
     model, _ = model_from_config(config, jax.default_backend())

@@ -35,7 +35,7 @@ class GuardSpec:
     spike_action: str = "skip"     # skip: drop the update in-graph | rollback: also reload the last checkpoint
 
     @classmethod
-    def from_config(cls, guard_cfg) -> "GuardSpec":
+    def from_config(cls, guard_cfg) -> GuardSpec:
         return cls(**{f.name: guard_cfg[f.name] for f in dataclasses.fields(cls)})
 
 

@@ -56,7 +56,8 @@ def child_env(index: int, nproc: int, port: int, devices: int, base=None) -> dic
     env = dict(os.environ if base is None else base, JAXSCALE_COORDINATOR=f"127.0.0.1:{port}",
                JAXSCALE_NUM_PROCESSES=str(nproc), JAXSCALE_PROCESS_ID=str(index), PYTHONUNBUFFERED="1")
     if devices:
-        flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+        flags = [f for f in env.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]
         env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
         env.setdefault("JAX_PLATFORMS", "cpu")
     return env

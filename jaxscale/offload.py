@@ -26,7 +26,7 @@ class OffloadSpec:
     params: bool = False
 
     @classmethod
-    def from_config(cls, offload_cfg) -> "OffloadSpec":
+    def from_config(cls, offload_cfg) -> OffloadSpec:
         return cls(optimizer_state=offload_cfg.optimizer_state, params=offload_cfg.params)
 
     @property

@@ -114,7 +114,8 @@ def advice(plan: dict, config, limit_bytes: float) -> list[str]:
         "params": "zero_stage=3 or a larger mesh.fsdp / mesh.tensor splits parameters",
         "grads": "zero_stage>=2 or a larger mesh.fsdp splits gradients",
         "temp": f"model.remat=full (now {config.model.remat}), a larger train.grad_accum_steps "
-                f"(now {config.train.grad_accum_steps}) or mesh.tensor with sharding.sequence_parallel=True shrink activations",
+                f"(now {config.train.grad_accum_steps}) or mesh.tensor with sharding.sequence_parallel=True "
+                "shrink activations",
     }
     return lines + [f"  - {help_for[k]}" for k in order[:3]]
 
@@ -143,7 +144,8 @@ def table(plan: dict) -> str:
     pipe = plan["pipeline"]
     if pipe["stages"] > 1:
         rows.append(f"pipeline: {pipe['schedule']}, {pipe['stages']} stages x {pipe['virtual_stages']} virtual x "
-                    f"{pipe['microbatches']} microbatches, bubble {100 * pipe['bubble_fraction']:.1f}% = (P-1)/(V*M+P-1)")
+                    f"{pipe['microbatches']} microbatches, bubble {100 * pipe['bubble_fraction']:.1f}% "
+                    "= (P-1)/(V*M+P-1)")
     rows.append("collectives per step:\n" + profile.summarize(plan["collectives"]))
     rows += [f"note: {note}" for note in plan.get("notes", [])]
     return "\n".join(rows)

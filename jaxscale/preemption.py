@@ -37,7 +37,7 @@ class PreemptionWatch:
         self._previous: dict = {}
         self._deadline: threading.Timer | None = None
 
-    def __enter__(self) -> "PreemptionWatch":
+    def __enter__(self) -> PreemptionWatch:
         self.signal_name, self.received_at = None, None
         if threading.current_thread() is not threading.main_thread():
             return self

@@ -114,7 +114,8 @@ def _summary(config: dict) -> list[str]:
     m, t, o = config["model"], config["train"], config["optim"]
     mesh = " ".join(f"{k}={v}" for k, v in config["mesh"].items() if v not in (1,)) or "1 device"
     return [f"- model: {m['family']}, {m['num_layers']} layers, d_model {m['d_model']}, {m['num_heads']} heads "
-            f"({m['num_kv_heads']} kv), d_ff {m['d_ff']}, vocab {m['vocab_size']}, compute {m['dtype']}, remat {m['remat']}",
+            f"({m['num_kv_heads']} kv), d_ff {m['d_ff']}, vocab {m['vocab_size']}, compute {m['dtype']}, "
+            f"remat {m['remat']}",
             f"- mesh: {mesh}, zero_stage {config['zero_stage']}",
             f"- training: {t['steps']} steps, batch {t['global_batch_size']} x {t['seq_len']} tokens, "
             f"lr {o['lr']} (warmup {o['warmup_steps']}), weight decay {o['weight_decay']}, clip {o['clip_norm']}",

@@ -17,9 +17,8 @@ from pathlib import Path
 import jax
 
 from jaxscale import config as config_lib
-from jaxscale import inspection
+from jaxscale import inspection, resume, xla_flags
 from jaxscale import report as report_lib
-from jaxscale import resume, xla_flags
 from jaxscale.build import Run, build
 from jaxscale.checkpoint import CHECKPOINTS, Checkpointer
 from jaxscale.data import Data, make_data
@@ -123,7 +122,8 @@ def open_session(config, workdir: str | Path, show_progress: bool = True, device
 def _services(config, workdir: Path, checkpointer: Checkpointer, tracker: Tracker, display) -> Services:
     d, prof = config.distributed, config.profile
     return Services(checkpointer, tracker, display, PreemptionWatch(config.checkpoint.preemption_timeout_s),
-                    Watchdog(d.watchdog_seconds), StragglerReport(d.straggler_every, d.straggler_threshold, display.print),
+                    Watchdog(d.watchdog_seconds),
+                    StragglerReport(d.straggler_every, d.straggler_threshold, display.print),
                     TraceWindow(prof.start_step, prof.steps, workdir / "profile", display.print))
 
 

@@ -16,13 +16,14 @@ import math
 from collections.abc import Mapping
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxscale.errors import field_value, require
 from jaxscale.mesh import make_mesh
 from jaxscale.names import AXES, DEFAULT_RULES, split_ways
 
-_ACTIVE: contextvars.ContextVar["Layout | None"] = contextvars.ContextVar("jaxscale_layout", default=None)
+_ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("jaxscale_layout", default=None)
 
 
 def _entry(axes: tuple[str, ...]):
@@ -39,10 +40,10 @@ class Layout:
     manual_axes: tuple[str, ...] = ()  # inside shard_map over these axes: specs must not name them
 
     @classmethod
-    def of(cls, mesh: Mesh, rules: Mapping[str, tuple[str, ...]] = DEFAULT_RULES, zero_stage: int = 0) -> "Layout":
+    def of(cls, mesh: Mesh, rules: Mapping[str, tuple[str, ...]] = DEFAULT_RULES, zero_stage: int = 0) -> Layout:
         return cls(mesh, tuple((k, tuple(v)) for k, v in rules.items()), zero_stage)
 
-    def inside(self, *manual: str) -> "Layout":
+    def inside(self, *manual: str) -> Layout:
         """This layout as seen inside shard_map over `manual` axes."""
         return dataclasses.replace(self, manual_axes=self.manual_axes + manual)
 

@@ -35,7 +35,7 @@ class Trainer:
         self._records = {r["step"]: r for r in _earlier_records(self.workdir)}
 
     @classmethod
-    def from_hf(cls, hf_dir: str | Path, workdir: str | Path | None = None, config=None, **kwargs) -> "Trainer":
+    def from_hf(cls, hf_dir: str | Path, workdir: str | Path | None = None, config=None, **kwargs) -> Trainer:
         """Fine-tune a Hugging Face Llama or GPT-2 checkpoint: its weights are converted once into
         WORKDIR/hf_import (parameters only) and the run starts from them with a fresh optimizer;
         a workdir that already has checkpoints resumes them instead. WORKDIR defaults to
@@ -139,7 +139,7 @@ class Trainer:
         """Wait for the last checkpoint to commit and release the workdir."""
         self._stack.close()
 
-    def __enter__(self) -> "Trainer":
+    def __enter__(self) -> Trainer:
         return self
 
     def __exit__(self, *exc) -> None:

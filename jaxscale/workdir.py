@@ -28,7 +28,7 @@ class WorkdirLock:
     def __init__(self, workdir: Path):
         self.workdir, self._file = Path(workdir), None
 
-    def __enter__(self) -> "WorkdirLock":
+    def __enter__(self) -> WorkdirLock:
         holder = self._acquire() if jax.process_index() == 0 else ""
         refused = bool(holder)
         if jax.process_count() > 1:  # every process learns process 0's answer

@@ -8,7 +8,8 @@ from jaxscale.models.attention import resolve_impl
 
 def test_auto_and_fallbacks():
     assert resolve_impl("auto", "gpu", jnp.bfloat16, 64)[0] == "cudnn"
-    assert resolve_impl("auto", "cpu", jnp.float32, 64) == ("xla", "attention: xla (cuDNN attention needs an NVIDIA GPU (platform is cpu))")
+    assert resolve_impl("auto", "cpu", jnp.float32, 64) == (
+        "xla", "attention: xla (cuDNN attention needs an NVIDIA GPU (platform is cpu))")
     assert resolve_impl("auto", "gpu", jnp.float32, 64)[0] == "xla"      # fp32 compute
     assert resolve_impl("auto", "gpu", jnp.bfloat16, 12)[0] == "xla"     # head_dim not a multiple of 8
     assert resolve_impl("xla", "gpu", jnp.bfloat16, 64) == ("xla", None)

@@ -9,12 +9,13 @@ import threading
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from conftest import small_config
+from jaxscale.build import build
 from jaxscale.checkpoint import CORRUPT_DIR, Checkpointer, digest
 from jaxscale.errors import ConfigError
-from jaxscale.build import build
 from jaxscale.loop import train
 from jaxscale.workdir import WorkdirLock
 

@@ -7,8 +7,8 @@ import pytest
 
 from conftest import ROOT, run_cli
 from jaxscale import config as config_lib
-from jaxscale.errors import ConfigError
 from jaxscale.cli import parse_flags
+from jaxscale.errors import ConfigError
 from jaxscale.validate import validate
 
 
@@ -102,14 +102,16 @@ def test_unknown_key_in_config_file():
 def test_parse_flags():
     extra = {"workdir": str, "json": bool, "device_memory_gb": float}
     assert parse_flags(["--config=c.py", "--config.train.steps=5", "--workdir=w", "--json", "--device_memory_gb=80"],
-                       "usage", extra) == ("c.py", ["train.steps=5"], {"workdir": "w", "json": True, "device_memory_gb": 80.0})
+                       "usage", extra) == ("c.py", ["train.steps=5"],
+                                           {"workdir": "w", "json": True, "device_memory_gb": 80.0})
     with pytest.raises(ConfigError, match="--bogus"):
         parse_flags(["--config=c.py", "--bogus=1"], "usage", extra)
     with pytest.raises(ConfigError, match="expected float"):
         parse_flags(["--config=c.py", "--device_memory_gb=lots"], "usage", extra)
 
 
-@pytest.mark.parametrize("flag, field", [("--config.train.stepz=5", "train.stepz"), ("--config.mesh.data=3", "mesh.data"),
+@pytest.mark.parametrize("flag, field", [("--config.train.stepz=5", "train.stepz"),
+                                         ("--config.mesh.data=3", "mesh.data"),
                                          ("--config.data.path=/no/such/file.txt", "data.path")])
 def test_cli_bad_input_exits_2_with_one_line(flag, field, tmp_path):
     result = run_cli(["--config=configs/tiny.py", flag, f"--workdir={tmp_path}"])

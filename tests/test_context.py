@@ -47,7 +47,10 @@ def test_matches_reference_forward_and_grads(mode, shards, heads, kv_heads):
         return out[:, np.argsort(order)]
 
     cotangent = jax.random.normal(jax.random.PRNGKey(9), q.shape)
-    loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v) * cotangent)
+
+    def loss(f):
+        return lambda q, k, v: jnp.sum(f(q, k, v) * cotangent)
+
     np.testing.assert_allclose(jax.jit(ours)(q, k, v), _reference(q, k, v), rtol=1e-5, atol=1e-5)
     got = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2)))(q, k, v)
     want = jax.grad(loss(_reference), argnums=(0, 1, 2))(q, k, v)

@@ -33,7 +33,8 @@ def _wait_for(condition, proc, timeout=240, poll=0.005):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
-            raise AssertionError(f"the run ended before the fault (exit {proc.returncode}):\n{proc.stdout.read()[-3000:]}")
+            raise AssertionError(f"the run ended before the fault (exit {proc.returncode}):\n"
+                                 f"{proc.stdout.read()[-3000:]}")
         found = condition()
         if found:
             return found

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxscale import guard as guard_lib
-from jaxscale.guard import GuardSpec
 from jaxscale.build import build
 from jaxscale.data import make_data
+from jaxscale.guard import GuardSpec
 from jaxscale.loop import train
 
 

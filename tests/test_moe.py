@@ -52,10 +52,12 @@ def test_routing_by_hand():
     np.testing.assert_array_equal(r.keep, [[[1, 1], [1, 1], [0, 0], [1, 1]], [[1, 1], [1, 1], [0, 0], [0, 0]]])
     np.testing.assert_array_equal(r.counts, [[3, 3, 2], [0, 4, 4]])
     # Combine weights: the two probabilities renormalised, 0 where dropped.
-    np.testing.assert_allclose(r.weights, [[[0.5 / 0.8, 0.3 / 0.8], [0.6 / 0.9, 0.3 / 0.9], [0, 0], [0.5 / 0.9, 0.4 / 0.9]],
+    np.testing.assert_allclose(r.weights, [[[0.5 / 0.8, 0.3 / 0.8], [0.6 / 0.9, 0.3 / 0.9], [0, 0],
+                                            [0.5 / 0.9, 0.4 / 0.9]],
                                            [[0.5 / 0.8, 0.3 / 0.8]] * 2 + [[0, 0]] * 2], rtol=1e-6)
     # Balancing loss per row: 3 * sum_e (assignments_e / 8) * mean_prob_e, then the mean over rows.
-    row0 = 3 * (3 / 8 * (0.5 + 0.6 + 0.7 + 0.1) / 4 + 3 / 8 * (0.3 + 0.1 + 0.2 + 0.5) / 4 + 2 / 8 * (0.2 + 0.3 + 0.1 + 0.4) / 4)
+    row0 = 3 * (3 / 8 * (0.5 + 0.6 + 0.7 + 0.1) / 4 + 3 / 8 * (0.3 + 0.1 + 0.2 + 0.5) / 4
+                + 2 / 8 * (0.2 + 0.3 + 0.1 + 0.4) / 4)
     row1 = 3 * (0 * 0.2 + 4 / 8 * 0.3 + 4 / 8 * 0.5)
     assert row0 == pytest.approx(1.03125) and row1 == pytest.approx(1.2)
     np.testing.assert_allclose(r.aux_loss, (row0 + row1) / 2, rtol=1e-6)
@@ -166,7 +168,8 @@ def test_planner_divides_expert_weights_by_expert():
     from jaxscale.plan import make_plan
 
     config = config_lib.load(str(ROOT / "configs" / "tiny_moe.py"))
-    config_lib.apply_overrides(config, ["mesh.data=2", "mesh.expert=4", "train.seq_len=32", "train.global_batch_size=8"])
+    config_lib.apply_overrides(config, ["mesh.data=2", "mesh.expert=4", "train.seq_len=32",
+                                        "train.global_batch_size=8"])
     plan = make_plan(config)
     for key in ("params", "grads", "opt_state"):
         assert plan["per_device_bytes"][key] == pytest.approx(plan["expected_bytes"][key], rel=0.05), key
@@ -207,10 +210,13 @@ def test_active_parameters_for_mfu():
     (["model.moe.num_experts=6", "mesh.expert=4"], "model.moe.num_experts", "multiple of 4"),
     (["model.moe.num_experts=8", "model.moe.top_k=9"], "model.moe.top_k", "between 1 and"),
     (["model.moe.num_experts=8", "model.moe.capacity_factor=0"], "model.moe.capacity_factor", "dropless"),
-    (["model.moe.num_experts=8", "model.moe.every_n_layers=3"], "model.moe.every_n_layers", "divide model.num_layers=4"),
+    (["model.moe.num_experts=8", "model.moe.every_n_layers=3"], "model.moe.every_n_layers",
+     "divide model.num_layers=4"),
     (["model.moe.num_experts=8", "mesh.pipeline=2"], "mesh.pipeline", "mesh.pipeline=1"),
-    (["model.moe.num_experts=8", "model.moe.d_ff=100", "mesh.tensor=8", "mesh.data=1"], "model.moe.d_ff", "multiple of 8"),
-    (["model.moe.num_experts=8", "mesh.expert=2", "sharding.rules.batch='data,fsdp'"], "sharding.rules.batch", "add expert"),
+    (["model.moe.num_experts=8", "model.moe.d_ff=100", "mesh.tensor=8", "mesh.data=1"], "model.moe.d_ff",
+     "multiple of 8"),
+    (["model.moe.num_experts=8", "mesh.expert=2", "sharding.rules.batch='data,fsdp'"], "sharding.rules.batch",
+     "add expert"),
     (["model.moe.num_experts=8", "mesh.expert=4", "mesh.data=2", "train.global_batch_size=4"],
      "train.global_batch_size", "data x fsdp x expert"),
 ])

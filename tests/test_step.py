@@ -150,13 +150,15 @@ def test_kv_heads_fewer_than_tensor_are_replicated(optim_cfg):
     spec = ModelSpec(num_layers=2, d_model=64, num_heads=8, num_kv_heads=2, d_ff=128)
     one = _run(_layout(1, spec=spec), 1, optim_cfg, spec=spec)
     layout = _layout(tensor=4, spec=spec)
-    assert layout.spec(("embed", "kv_heads", "head_dim")) == P() and layout.spec(("embed", "heads")) == P(None, "tensor")
+    assert (layout.spec(("embed", "kv_heads", "head_dim")) == P()
+            and layout.spec(("embed", "heads")) == P(None, "tensor"))
     _assert_same(_run(layout, 1, optim_cfg, spec=spec), one, rtol=1e-5)
 
 
 @pytest.mark.parametrize("devices, zero_stage", [(1, 0), (2, 0), (8, 0), (8, 3)])
 def test_accumulation_equals_one_big_batch(reference, optim_cfg, devices, zero_stage):
-    _assert_same(_run(_layout(devices, data=devices, zero_stage=zero_stage), 4, optim_cfg, steps=3), reference, rtol=1e-5)
+    _assert_same(_run(_layout(devices, data=devices, zero_stage=zero_stage), 4, optim_cfg, steps=3),
+                 reference, rtol=1e-5)
 
 
 def test_accumulation_reduces_gradients_once_per_step(optim_cfg):

@@ -80,6 +80,7 @@ def test_run_report_and_comparison(tiny_config, tmp_path):
     done = run_cli(["--workdir=" + str(tmp_path / "a"), "--compare", str(tmp_path / "b")], module="jaxscale.report",
                    devices=1)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "| a | 6 |" in (tmp_path / "a" / "report.md").read_text() and "| b | 6 |" in (tmp_path / "a" / "report.md").read_text()
+    assert ("| a | 6 |" in (tmp_path / "a" / "report.md").read_text()
+            and "| b | 6 |" in (tmp_path / "a" / "report.md").read_text())
     bad = run_cli(["--workdir=" + str(tmp_path / "nothing")], module="jaxscale.report", devices=1)
     assert bad.returncode == 2 and "has no metrics.jsonl" in bad.stderr

@@ -92,10 +92,12 @@ def test_gpt2_with_accumulation_and_remat(tiny_config, tmp_path, family):
 
 
 def test_pipeline_cli_gives_unpipelined_first_loss(tmp_path):
-    common = ["--config=configs/tiny.py", "--config.train.steps=1", "--config.model.num_layers=4", "--config.mesh.data=-1"]
+    common = ["--config=configs/tiny.py", "--config.train.steps=1", "--config.model.num_layers=4",
+              "--config.mesh.data=-1"]
     flat = run_cli([*common, f"--workdir={tmp_path / 'flat'}"])
     piped = run_cli([*common, "--config.mesh.pipeline=2", "--config.pipeline.microbatches=4",
                      f"--workdir={tmp_path / 'piped'}"])
     assert flat.returncode == 0 and piped.returncode == 0, piped.stderr[-3000:]
     assert "mesh data=4 pipeline=2" in piped.stdout
-    np.testing.assert_allclose(_records(tmp_path / "piped")[0]["loss"], _records(tmp_path / "flat")[0]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(_records(tmp_path / "piped")[0]["loss"], _records(tmp_path / "flat")[0]["loss"],
+                               rtol=1e-5)

@@ -5,7 +5,7 @@ onto any mesh with verification and fallback; where a checkpoint given by path l
     restored = checkpointer.restore(abstract_state)   # newest step that reads back as saved
 """
 
-from jaxscale.checkpoint.manager import CORRUPT_DIR, CorruptCheckpoint, Checkpointer, Restored
+from jaxscale.checkpoint.manager import CORRUPT_DIR, Checkpointer, CorruptCheckpoint, Restored
 from jaxscale.checkpoint.params import load_params
 from jaxscale.checkpoint.sources import CHECKPOINTS, locate
 

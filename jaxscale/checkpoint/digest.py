@@ -23,7 +23,8 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxscale.offload import DEVICE, HOST
 from jaxscale.sharding import add_axis

@@ -50,7 +50,7 @@ class Restored:
 
 
 def _now() -> datetime.datetime:
-    return datetime.datetime.now(tz=datetime.timezone.utc)
+    return datetime.datetime.now(tz=datetime.UTC)
 
 
 def _root_cause(error: BaseException) -> str:
@@ -283,7 +283,7 @@ class Checkpointer:
         self._manager.reload()
         return f"moved it to {destination}; "
 
-    def __enter__(self) -> "Checkpointer":
+    def __enter__(self) -> Checkpointer:
         return self
 
     def __exit__(self, *exc) -> None:

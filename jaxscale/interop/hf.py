@@ -20,8 +20,17 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from jaxscale.errors import ConfigError
 from jaxscale.interop import hf_files, stacked
 from jaxscale.interop.hf_config import check_spec_matches, hf_config_from_spec, model_config_from_hf
-from jaxscale.interop.hf_names import (BASE_PREFIX, IGNORED_SUFFIXES, Row, hf_name, hf_part_sizes, hf_shape,
-                                       rows_for, to_hf, to_ours)
+from jaxscale.interop.hf_names import (
+    BASE_PREFIX,
+    IGNORED_SUFFIXES,
+    Row,
+    hf_name,
+    hf_part_sizes,
+    hf_shape,
+    rows_for,
+    to_hf,
+    to_ours,
+)
 from jaxscale.models import LanguageModel
 
 __all__ = ["model_config_from_hf", "load_hf_params", "save_hf"]

@@ -99,7 +99,8 @@ def _from_gpt2(hf: dict) -> dict:
 def hf_config_from_spec(spec) -> dict:
     """A config.json dict (LlamaConfig or GPT2Config) describing the model `spec` builds."""
     _refuse_unless(not spec.moe.num_experts, "model.moe.num_experts", spec.moe.num_experts,
-                   "Hugging Face export covers dense Llama and GPT-2 models; a mixture-of-experts checkpoint stays in jaxscale's format")
+                   "Hugging Face export covers dense Llama and GPT-2 models; "
+                   "a mixture-of-experts checkpoint stays in jaxscale's format")
     if spec.family == "gpt2":
         _refuse_unless(spec.num_kv_heads == spec.num_heads, "model.num_kv_heads", spec.num_kv_heads,
                        f"Hugging Face GPT-2 has no grouped-query attention; set it to model.num_heads={spec.num_heads}")

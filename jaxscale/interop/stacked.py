@@ -12,7 +12,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 # Donated: each layer is written into the same buffers, so the stack is allocated once.
 _write_layer = jax.jit(lambda stacked, value, i: jax.lax.dynamic_update_index_in_dim(stacked, value, i, 0),

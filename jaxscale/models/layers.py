@@ -108,10 +108,12 @@ class Attention(nnx.Module):
             q_BLHE = rope(q_BLHE, positions_BL, self.theta)
             k_BLKE = rope(k_BLKE, positions_BL, self.theta)
         if cache is not None:
-            cache = dict(k=write_cache(cache["k"], k_BLKE, positions_BL), v=write_cache(cache["v"], v_BLKE, positions_BL))
+            cache = dict(k=write_cache(cache["k"], k_BLKE, positions_BL),
+                         v=write_cache(cache["v"], v_BLKE, positions_BL))
             out_BLHE = cached_attention(q_BLHE, cache["k"], cache["v"], positions_BL)
         elif self.strategy.context != "none":  # tokens in zig-zag order (see LanguageModel.loss)
-            out_BLHE = context.attention(q_BLHE, k_BLKE, v_BLKE, positions_BL, self.strategy.mesh, self.strategy.context)
+            out_BLHE = context.attention(q_BLHE, k_BLKE, v_BLKE, positions_BL,
+                                         self.strategy.mesh, self.strategy.context)
         else:
             out_BLHE = causal_attention(q_BLHE, k_BLKE, v_BLKE, self.impl)
         out_BLHE = constrain(out_BLHE, ("batch", "act_length", "act_heads", "head_dim"))

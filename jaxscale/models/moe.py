@@ -33,7 +33,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxscale.models.layers import normal, zeros
 from jaxscale.models.strategy import Strategy
-from jaxscale.parallel import constrain as constrain_spec, current_mesh
+from jaxscale.parallel import constrain as constrain_spec
+from jaxscale.parallel import current_mesh
 from jaxscale.sharding import constrain
 
 AXIS = "expert"
@@ -147,7 +148,8 @@ class MoE(nnx.Module):
 def expert_mlp(x_XTD, w: dict, llama: bool):
     """Each expert's MLP on its own tokens: [experts, tokens, D] -> same."""
     if llama:
-        h_XTF = jax.nn.silu(jnp.einsum("XTD,XDF->XTF", x_XTD, w["w_gate"])) * jnp.einsum("XTD,XDF->XTF", x_XTD, w["w_up"])
+        h_XTF = (jax.nn.silu(jnp.einsum("XTD,XDF->XTF", x_XTD, w["w_gate"]))
+                 * jnp.einsum("XTD,XDF->XTF", x_XTD, w["w_up"]))
         return jnp.einsum("XTF,XFD->XTD", constrain(h_XTF, (None, "batch", "act_mlp")), w["w_down"])
     h_XTF = jax.nn.gelu(jnp.einsum("XTD,XDF->XTF", x_XTD, w["w_in"]) + w["bias_in"][:, None], approximate=True)
     h_XTF = constrain(h_XTF, (None, "batch", "act_mlp"))
@@ -235,7 +237,8 @@ def dispatch_combine(x_BLD, routing: Routing, w: dict, num_experts: int, cap: in
         return run(x, slots, weights, _gather_weights(w, specs))
 
     rows = P(_spec([batch])[0])
-    return jax.shard_map(local, mesh=current_mesh(layout.mesh), in_specs=(rows, rows, rows, {n: _spec(e) for n, e in specs.items()}),
+    return jax.shard_map(local, mesh=current_mesh(layout.mesh),
+                         in_specs=(rows, rows, rows, {n: _spec(e) for n, e in specs.items()}),
                          out_specs=rows, axis_names=set(batch), check_vma=False)(x_BLD, slots, weights, placed)
 
 

@@ -40,7 +40,7 @@ class Strategy:
 
     @classmethod
     def for_layout(cls, layout: Layout, *, schedule: str = "gpipe", microbatches: int = 1,
-                   virtual_stages: int = 1, context: str = "ring") -> "Strategy":
+                   virtual_stages: int = 1, context: str = "ring") -> Strategy:
         """The strategy a run on `layout` uses: each algorithm on where its mesh axis is split."""
         shape = layout.mesh.shape
         return cls(layout, pipeline=schedule if shape["pipeline"] > 1 else "none",

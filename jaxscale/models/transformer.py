@@ -15,8 +15,7 @@ import optax
 from flax import nnx
 
 from jaxscale.models.attention import resolve_impl
-from jaxscale.models.layers import (AXES_KEY, INNER, RESIDUAL, Attention, GeluMLP, LayerNorm, RMSNorm,
-                                    SwiGLU, normal)
+from jaxscale.models.layers import AXES_KEY, INNER, RESIDUAL, Attention, GeluMLP, LayerNorm, RMSNorm, SwiGLU, normal
 from jaxscale.models.moe import STATS, MoE, MoESpec
 from jaxscale.models.precision import compute_dtype
 from jaxscale.models.strategy import Strategy
@@ -51,7 +50,7 @@ class ModelSpec:
     strategy: Strategy = Strategy()   # how the forward splits over devices (default: one program)
 
     @classmethod
-    def from_config(cls, model_cfg, attention_impl: str = "xla", strategy: Strategy = Strategy()) -> "ModelSpec":
+    def from_config(cls, model_cfg, attention_impl: str = "xla", strategy: Strategy = Strategy()) -> ModelSpec:
         names = {f.name for f in dataclasses.fields(cls)} - {"moe", "strategy"}
         values = {k: v for k, v in model_cfg.items() if k in names}
         if "moe" in model_cfg:
@@ -290,7 +289,7 @@ class LanguageModel:
         logits_BLV, _, stats = nnx.merge(self.graphdef, params)(tokens_BL, positions_BL)
         return logits_BLV, stats
 
-    def unsharded(self) -> "LanguageModel":
+    def unsharded(self) -> LanguageModel:
         """This model with the default strategy (one program, no manual collectives): for
         decoding and inspection at any batch size, outside the training layout."""
         if self.spec.strategy == Strategy():

@@ -158,5 +158,8 @@ def circular(stage_fn, stacked_params, x_BLD, positions_BL, mesh, microbatches: 
 
     grouped = jax.tree.map(regroup, stacked_params)
     local = _circular_schedule(jax.checkpoint(stage_fn), stages, microbatches, repeats)
-    squeeze = lambda params, xs, pos: local(jax.tree.map(lambda p: p[:, 0], params), xs, pos)
+
+    def squeeze(params, xs, pos):
+        return local(jax.tree.map(lambda p: p[:, 0], params), xs, pos)
+
     return _over_stages(squeeze, P(None, AXIS), grouped, x_BLD, positions_BL, mesh, microbatches)
