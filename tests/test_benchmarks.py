@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, cli_env
 
 BENCH = ROOT / "benchmarks"
 # nccl-tests' definitions (doc/PERFORMANCE.md), for a row of SIZE bytes on an axis of n ranks:
@@ -136,7 +136,7 @@ def test_every_benchmark_is_smoke_tested():
 def test_smoke(script):
     args, check = BENCHMARKS[script]
     results = (BENCH / "RESULTS.md").read_text()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = cli_env(8)
     done = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--json", "--append", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
