@@ -62,8 +62,8 @@ def make_layout(devices: int | None = None, zero_stage: int = 0, **sizes):
 
 def cli_env(devices: int = 8) -> dict:
     """The environment of a fresh jaxscale process with `devices` fake CPU devices."""
-    return dict(os.environ, XLA_FLAGS=f"{FAST_COMPILE} --xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-                PYTHONUNBUFFERED="1")
+    return dict(os.environ, XLA_FLAGS=f"{FAST_COMPILE} --xla_force_host_platform_device_count={devices}",
+                JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 
 
 def run_cli(args, devices: int = 8, cwd=ROOT, timeout: int = 300, module: str = "jaxscale.train"):

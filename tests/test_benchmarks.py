@@ -7,7 +7,6 @@ BENCHMARKS: its file name, extra arguments, and a check of its JSON (or None for
 """
 
 import json
-import os
 import subprocess
 import sys
 
