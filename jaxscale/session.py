@@ -106,11 +106,11 @@ def open_session(config, workdir: str | Path, show_progress: bool = True, device
     the run and its state (restored from where the workdir or the config says, else fresh), the
     metric writers and the console. Closing it waits for the last checkpoint to commit."""
     workdir, devices, opened = Path(workdir), list(devices or jax.devices()), time.perf_counter()
-    run = _build(config, devices)  # validated before the workdir is touched
+    run = _build(config, devices)  # validated, and the data found, before the workdir is touched
+    data = make_data(config, run.batch_sharding)
     with (contextlib.ExitStack() as stack, WorkdirLock(workdir),
           Checkpointer(workdir / CHECKPOINTS, config.checkpoint) as checkpointer):
         start = resume.choose(config, checkpointer)
-        data = make_data(config, run.batch_sharding)
         with _console(run, workdir, show_progress) as display:
             _introduce(run, data, workdir, display)
             live, tracker_ids = resume.apply(start, run, display.print)
