@@ -17,7 +17,6 @@ import time
 
 import jax
 import numpy as np
-import optax
 from jax.sharding import NamedSharding
 
 from jaxscale import metrics as metrics_lib
@@ -57,10 +56,6 @@ class Run:
     @property
     def guard(self) -> GuardSpec:
         return self.step_spec.guard
-
-    @property
-    def tx(self) -> optax.GradientTransformation:
-        return self.step_spec.tx
 
     @property
     def batch_sharding(self) -> NamedSharding:
