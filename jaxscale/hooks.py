@@ -127,7 +127,6 @@ def measure(session: Session, s: Stretch) -> None:
 def evaluate(session: Session, s: Stretch) -> None:
     if s.record is not None and is_eval_step(s.step, session.run.config.train):
         s.record["val_loss"] = mean_eval_loss(session)
-        s.clock.restart()  # evaluation time is not step time
 
 
 def log(session: Session, s: Stretch) -> None:
@@ -140,6 +139,7 @@ def log(session: Session, s: Stretch) -> None:
     s.records.append(s.record)
     if "val_loss" in s.record:
         session.report()
+        s.clock.restart()  # the evaluation and the report are not step time
 
 
 def stop(session: Session, s: Stretch) -> Outcome | None:
