@@ -138,7 +138,8 @@ def log(session: Session, s: Stretch) -> None:
     services.display.update(s.record)
     s.records.append(s.record)
     if "val_loss" in s.record:
-        session.report()
+        if s.step < s.last:  # at the stretch's last step the final report follows at once
+            session.report()
         s.clock.restart()  # the evaluation and the report are not step time
 
 

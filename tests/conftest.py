@@ -12,10 +12,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-# Tests compile many small programs and run each a few steps: LLVM's optimisation passes cost far
-# more compile time than they save run time here (test_step's layouts compiled in 0.6x the time,
-# measured). The HLO, its buffers and its numerics are the same.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# Tests compile many small programs and run each a few steps. LLVM's optimisation passes cost far
+# more compile time than they save run time here, and XLA:CPU's MLIR fusion emitters compile a
+# train step 4x slower than its classic IR emitters (2.5 s against 0.6 s for test_step's 2-layer
+# model at -O0), measured. The HLO and its buffers are the same; each test compares programs
+# compiled with the same flags. A test that runs a hundred steps takes FAST_RUN instead: -O1
+# compiles slower but runs tiny.py's step in 171 ms against 480 ms at -O0 (measured).
+FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                "--xla_cpu_use_fusion_emitters=false")
+FAST_RUN = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE} --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -60,17 +65,41 @@ def make_layout(devices: int | None = None, zero_stage: int = 0, **sizes):
     return Layout.of(make_mesh(axes, jax.devices()[:count]), zero_stage=zero_stage)
 
 
+_INITIAL_STATES = {}
+
+
+def initial_state(model, tx, layout, key):
+    """(state, shardings) equal to `state.init(model, tx, 0, layout)`, without compiling an init
+    program per layout: the initial state is a pure function of the seed, so it is made once per
+    `key` (naming the model spec and the optimizer settings) on one device and placed on each
+    layout's shardings."""
+    from jaxscale import state as state_lib
+
+    if key not in _INITIAL_STATES:
+        plain = model.unsharded()
+        _INITIAL_STATES[key] = jax.device_get(jax.jit(lambda: state_lib.create(plain, tx, 0))())
+    shardings = state_lib.shardings(model, tx, layout)
+    return jax.device_put(_INITIAL_STATES[key], shardings), shardings
+
+
 def cli_env(devices: int = 8) -> dict:
     """The environment of a fresh jaxscale process with `devices` fake CPU devices."""
     return dict(os.environ, XLA_FLAGS=f"{FAST_COMPILE} --xla_force_host_platform_device_count={devices}",
                 JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
 
 
+def _command(module: str, args) -> list[str]:
+    """`python -m MODULE ARGS`; a training run draws no report unless the test names
+    tracking.report (drawing it takes 2.6 s of a one-step run; test_tracking checks it)."""
+    no_report = module == "jaxscale.train" and not any("tracking.report" in a for a in args)
+    return [sys.executable, "-m", module, *args, *(["--config.tracking.report=False"] if no_report else [])]
+
+
 def run_cli(args, devices: int = 8, cwd=ROOT, timeout: int = 300, module: str = "jaxscale.train"):
     """Run `python -m MODULE ARGS` in a fresh process with `devices` fake CPU devices."""
     import subprocess
 
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=cli_env(devices),
+    return subprocess.run(_command(module, args), cwd=cwd, env=cli_env(devices),
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -78,7 +107,7 @@ def start_cli(args, devices: int = 8, module: str = "jaxscale.train"):
     """Start `python -m MODULE ARGS` without waiting (stdout and stderr piped together)."""
     import subprocess
 
-    return subprocess.Popen([sys.executable, "-m", module, *args], cwd=ROOT, env=cli_env(devices),
+    return subprocess.Popen(_command(module, args), cwd=ROOT, env=cli_env(devices),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import ROOT, cli_env, run_cli, start_cli
 
-TINY = ["--config=configs/tiny.py", "--config.train.eval_every=0", "--config.tracking.writers=jsonl"]
+TINY = ["--config=configs/tiny.py", "--config.train.eval_every=0", "--config.tracking.writers=jsonl",
+        "--config.tracking.report=False"]
 
 
 def _records(workdir):

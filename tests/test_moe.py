@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from conftest import ROOT, make_layout, run_cli
+from conftest import ROOT, initial_state, make_layout, run_cli
 from jaxscale import config as config_lib
 from jaxscale import metrics as metrics_lib
 from jaxscale import state as state_lib
@@ -104,7 +104,7 @@ def _run(layout, spec=SPEC, accum=1, steps=2):
     """Metrics of `steps` updates of `spec` on `layout` (fp32)."""
     model = LanguageModel(ModelSpec(**{**spec.__dict__, "strategy": Strategy.for_layout(layout)}))
     tx, schedule = make_optimizer(config_lib.defaults().optim, 10)
-    state, shardings = state_lib.init(model, tx, 0, layout)
+    state, shardings = initial_state(model, tx, layout, spec)
     step = jit_train_step(StepSpec(model, tx, schedule, layout, shardings, jnp.float32, accum))
     history = []
     for i in range(steps):

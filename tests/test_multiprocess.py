@@ -26,7 +26,7 @@ from jaxscale.validate import validate
 OVERRIDES = ["model.num_layers=2", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=2",
              "model.d_ff=128", "model.dtype='float32'", "train.steps=6", "train.global_batch_size=16",
              "train.seq_len=32", "train.log_every=1", "train.eval_every=3", "train.eval_batches=2",
-             "tracking.writers=jsonl", "metrics.progress=False", "checkpoint.every_steps=3"]
+             "tracking.writers=jsonl", "tracking.report=False", "metrics.progress=False", "checkpoint.every_steps=3"]
 HYBRID = ["mesh_dcn.data=2", "mesh.data=1", "mesh.fsdp=4", "zero_stage=1"]  # data crosses hosts, fsdp stays inside
 
 

@@ -9,7 +9,7 @@ import pytest
 nbclient = pytest.importorskip("nbclient")
 nbformat = pytest.importorskip("nbformat")
 
-from conftest import ROOT  # noqa: E402
+from conftest import FAST_RUN, ROOT  # noqa: E402
 
 
 def _text(cell) -> str:
@@ -19,6 +19,7 @@ def _text(cell) -> str:
 
 def test_quickstart_notebook(tmp_path, monkeypatch):
     monkeypatch.setenv("QUICKSTART_WORKDIR", str(tmp_path / "run"))
+    monkeypatch.setenv("XLA_FLAGS", FAST_RUN)  # 120 steps: the kernel's steps, not its compiles, dominate
     # The kernel spec starts `python`: make that this environment's interpreter.
     monkeypatch.setenv("PATH", os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
     notebook = nbformat.read(ROOT / "experiments" / "quickstart.ipynb", as_version=4)

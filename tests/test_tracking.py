@@ -31,8 +31,9 @@ def test_unknown_and_uninstalled_writers_are_one_line_errors(monkeypatch):
 
 
 def test_mlflow_store_reads_back_and_a_resumed_run_continues_it(tiny_config, tmp_path):
-    args = ["--config=configs/tiny.py", "--config.tracking.writers=jsonl,mlflow", f"--workdir={tmp_path}",
-            "--config.train.steps=6", "--config.train.log_every=2", "--config.train.eval_every=0"]
+    args = ["--config=configs/tiny.py", "--config.tracking.writers=jsonl,mlflow", "--config.tracking.report=True",
+            f"--workdir={tmp_path}", "--config.train.steps=6", "--config.train.log_every=2",
+            "--config.train.eval_every=0"]
     done = run_cli(args, devices=1)
     assert done.returncode == 0, done.stderr[-2000:]
     resumed = run_cli([*args[:-3], "--config.train.steps=10", "--config.train.log_every=2",
