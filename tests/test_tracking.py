@@ -2,6 +2,8 @@
 client, W&B in offline mode, resumed runs continuing their tracker runs, and the run report."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -19,6 +21,17 @@ def test_jsonl_and_tensorboard(tiny_config, tmp_path):
     tracker.write({"step": 1, "loss": 2.5, "mfu": None})
     tracker.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, "loss": 2.5, "mfu": None}
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_tensorboard_leaves_torch_unimported_and_importable(tmp_path):
+    """tensorboardX imports torch when it can (2.9 s); the writer keeps it out, and leaves no
+    trace in sys.modules that would stop a later `import torch`."""
+    code = ("import sys; from jaxscale.tracking.tensorboard import TensorBoardWriter; "
+            f"w = TensorBoardWriter({str(tmp_path)!r}); w.write({{'step': 1, 'loss': 2.0}}); w.close(); "
+            "assert 'torch' not in sys.modules and 'tensorboardX' in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
