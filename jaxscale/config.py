@@ -33,10 +33,8 @@ from jaxscale.names import (  # noqa: F401
 )
 
 
-def defaults() -> ml_collections.ConfigDict:
-    """Every key jaxscale knows, with its default: the one place defaults live. Files and
-    overrides may only edit these."""
-    c = ml_collections.ConfigDict()
+def _add_model(c: ml_collections.ConfigDict) -> None:
+    """The model: architecture, compute dtype, remat, attention and mixture of experts."""
     c.model = dict(
         family="llama",        # llama: RMSNorm, RoPE, GQA, SwiGLU | gpt2: LayerNorm, learned positions, GELU
         num_layers=4, d_model=256, num_heads=4, num_kv_heads=4, d_ff=1024,
@@ -61,6 +59,10 @@ def defaults() -> ml_collections.ConfigDict:
             z_loss_weight=0.001,       # router z-loss (mean logsumexp(logits)^2) in the training loss
         ),
     )
+
+
+def _add_parallelism(c: ml_collections.ConfigDict) -> None:
+    """How the model is split: the mesh, ZeRO, pipeline and sharding rules."""
     c.mesh = {axis: 1 for axis in AXES}
     c.mesh.data = -1           # -1: the devices the other axes leave
     c.mesh_dcn = {axis: 1 for axis in AXES}  # multipliers across hosts/slices: data, pipeline, fsdp cross slow links
@@ -74,6 +76,10 @@ def defaults() -> ml_collections.ConfigDict:
         sequence_parallel=False,  # keep norms/residuals split along length over `tensor` between TP regions
         rules={name: ",".join(axes) for name, axes in DEFAULT_RULES.items()},  # logical axis -> mesh axes
     )
+
+
+def _add_training(c: ml_collections.ConfigDict) -> None:
+    """The run: steps and batch, optimizer, data, checkpoints, offload, guards."""
     c.train = dict(
         steps=1000, global_batch_size=32, seq_len=128,
         grad_accum_steps=1,    # microbatches per step, accumulated inside the jitted step
@@ -113,6 +119,10 @@ def defaults() -> ml_collections.ConfigDict:
         spike_action="skip",   # skip: drop that update | rollback: reload the last checkpoint before the spike
                                # and continue with the batches after it
     )
+
+
+def _add_operations(c: ml_collections.ConfigDict) -> None:
+    """Around the run: processes, profiling, XLA flags, tracking and metrics."""
     c.distributed = dict(
         coordinator_address="",     # host:port of process 0; empty = detect (launcher, Kubernetes, SLURM, MPI, TPU)
         num_processes=0,            # with coordinator_address: processes in the job
@@ -143,6 +153,16 @@ def defaults() -> ml_collections.ConfigDict:
                                # notes and warnings always print
         peak_tflops=0.0,       # per-device dense peak for MFU; 0 = look the device up in the table
     )
+
+
+def defaults() -> ml_collections.ConfigDict:
+    """Every key jaxscale knows, with its default: the one place defaults live. Files and
+    overrides may only edit these."""
+    c = ml_collections.ConfigDict()
+    _add_model(c)
+    _add_parallelism(c)
+    _add_training(c)
+    _add_operations(c)
     return c
 
 
