@@ -8,6 +8,12 @@ BIN := $(VENV)/bin
 RUNTIME_STAMP := $(VENV)/.installed-runtime
 TEST_STAMP := $(VENV)/.installed-test
 LINT_PATHS := jaxscale tests benchmarks experiments
+# pip byte-compiles every file it installs: 95 of the 143 s that `.[test]` took to install here
+# (measured). --no-compile skips that; Python compiles a module when it is first imported and
+# keeps the .pyc, so only what runs is compiled, once. That needs bytecode writing on, whatever
+# the caller's environment says.
+PIP_INSTALL := $(BIN)/python -m pip install -q --no-compile
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: train test lint clean
 
@@ -17,12 +23,12 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(RUNTIME_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e .
+	$(PIP_INSTALL) -e .
 	touch $@
 
 # .[test] includes the runtime dependencies, so it renews the runtime stamp too.
 $(TEST_STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(PIP_INSTALL) -e ".[test]"
 	touch $@ $(RUNTIME_STAMP)
 
 train: $(RUNTIME_STAMP)

@@ -10,8 +10,10 @@ import time
 
 import pytest
 
-from conftest import ROOT, cli_env, run_cli, start_cli
+from conftest import FAST_RUN, ROOT, cli_env, run_cli, start_cli
 
+# Every run here takes tens of steps, so all compile for running (conftest.FAST_RUN), alike for the
+# runs each test compares.
 TINY = ["--config=configs/tiny.py", "--config.train.eval_every=0", "--config.tracking.writers=jsonl",
         "--config.tracking.report=False"]
 
@@ -47,7 +49,8 @@ def _wait_for(condition, proc, timeout=240, poll=0.005):
 def whole(tmp_path_factory):
     """The uninterrupted 20-step run, one record per step."""
     workdir = tmp_path_factory.mktemp("whole")
-    result = run_cli([*TINY, "--config.train.steps=20", "--config.train.log_every=1", f"--workdir={workdir}"])
+    result = run_cli([*TINY, "--config.train.steps=20", "--config.train.log_every=1", f"--workdir={workdir}"],
+                     flags=FAST_RUN)
     assert result.returncode == 0, result.stderr[-3000:]
     return _last_per_step(_records(workdir))
 
@@ -55,7 +58,7 @@ def whole(tmp_path_factory):
 @pytest.mark.parametrize("sig, at_step", [(signal.SIGTERM, 10), (signal.SIGINT, 3)], ids=["sigterm", "sigint"])
 def test_a_signal_saves_and_the_same_command_resumes_bit_identically(whole, tmp_path, sig, at_step):
     args = [*TINY, "--config.train.steps=20", "--config.train.log_every=1", f"--workdir={tmp_path}"]
-    proc = start_cli(args)
+    proc = start_cli(args, flags=FAST_RUN)
     _wait_for(lambda: any(r["step"] >= at_step for r in _records(tmp_path)), proc, poll=0.002)
     proc.send_signal(sig)
     out = proc.communicate(timeout=120)[0]
@@ -63,7 +66,7 @@ def test_a_signal_saves_and_the_same_command_resumes_bit_identically(whole, tmp_
     stopped = max(_committed(tmp_path))
     assert at_step <= stopped < 20, out[-2000:]
     assert f"{sig.name}: stopping after step {stopped}" in out and f"checkpoint of step {stopped} committed" in out
-    resumed = run_cli(args)
+    resumed = run_cli(args, flags=FAST_RUN)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from step {stopped}" in resumed.stdout
     merged = _last_per_step(_records(tmp_path))
@@ -79,7 +82,7 @@ BIG = [*TINY, "--config.model.d_model=512", "--config.model.d_ff=2048", "--confi
 
 
 def test_sigkill_during_an_async_save_resumes_from_the_previous_step(tmp_path):
-    proc = start_cli([*BIG, "--config.train.steps=1000", f"--workdir={tmp_path}"], devices=1)
+    proc = start_cli([*BIG, "--config.train.steps=1000", f"--workdir={tmp_path}"], devices=1, flags=FAST_RUN)
     ckpts = tmp_path / "checkpoints"
 
     def saving_after_a_commit():
@@ -92,7 +95,7 @@ def test_sigkill_during_an_async_save_resumes_from_the_previous_step(tmp_path):
     killed = int(tmp[0].name.split(".")[0])
     before = _committed(tmp_path)
     assert killed not in before and max(before) < killed  # the half-written step never became a step
-    resumed = run_cli([*BIG, f"--config.train.steps={killed + 1}", f"--workdir={tmp_path}"], devices=1)
+    resumed = run_cli([*BIG, f"--config.train.steps={killed + 1}", f"--workdir={tmp_path}"], devices=1, flags=FAST_RUN)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from step {max(before)}" in resumed.stdout
     assert killed + 1 in _committed(tmp_path)
@@ -130,7 +133,7 @@ def test_a_full_disk_is_reported_and_the_previous_checkpoint_stays_intact(tmp_pa
               f"{' '.join(train)} > {tmp_path}/out 2> {tmp_path}/err; echo $? > {tmp_path}/rc; "
               f"{sys.executable} -c '{CHECK}' {disk}/run/checkpoints > {tmp_path}/check 2>&1")
     subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script], cwd=ROOT,
-                   env=cli_env(1), timeout=300, check=True)
+                   env=cli_env(1, FAST_RUN), timeout=300, check=True)
     err = (tmp_path / "err").read_text().strip().splitlines()
     assert (tmp_path / "rc").read_text().strip() == "1", err
     assert err[-1].startswith("jaxscale: error: checkpoint step 10 could not be written"), err[-5:]

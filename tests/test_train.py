@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import run_cli
+from conftest import FAST_RUN, run_cli
 from jaxscale.loop import train
 
 FIELDS = ("step", "loss", "tokens_per_sec", "step_time_s", "mfu", "grad_norm", "lr", "tokens")
@@ -19,7 +19,7 @@ def _records(workdir):
 def cli_run(tmp_path_factory):
     """The acceptance command: tiny config, 50 steps, 8 fake devices."""
     workdir = tmp_path_factory.mktemp("cli8")
-    result = run_cli(["--config=configs/tiny.py", "--config.train.steps=50", f"--workdir={workdir}"])
+    result = run_cli(["--config=configs/tiny.py", "--config.train.steps=50", f"--workdir={workdir}"], flags=FAST_RUN)
     assert result.returncode == 0, result.stderr[-3000:]
     return workdir, result
 
