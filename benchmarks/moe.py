@@ -47,7 +47,7 @@ def measure(config_path: str, overrides: list[str], devices: int, rounds: int, s
     for name, s in prepared.items():
         run, params = s.run, s.run.abstract_state.params
         rows.append({"layout": name, "step_s": medians[name], "mesh": dict(run.layout.mesh.shape),
-                     "params": metrics_lib.non_embedding_params(params),
+                     "params": metrics_lib.matmul_params(params, run.model.spec),
                      "active_params": metrics_lib.active_params(params, run.model.spec)})
     for row in rows:
         row["step_ratio"] = row["step_s"] / rows[0]["step_s"]

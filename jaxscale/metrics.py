@@ -17,7 +17,7 @@ PEAK_TFLOPS = (
     ("TPU v4", 275.0), ("TPU v5 lite", 197.0), ("TPU v5e", 197.0), ("TPU v5p", 459.0), ("TPU v5", 459.0),
     ("TPU v6 lite", 918.0), ("TPU v6e", 918.0), ("TPU7x", 2307.0),
 )
-EMBEDDING_PARAMS = ("embed", "pos_embed")  # lookups, not matmuls: excluded from N
+EMBEDDING_PARAMS = ("embed", "pos_embed")  # lookups: excluded from N (a tied head counts again)
 
 
 def check(config) -> None:
@@ -33,16 +33,19 @@ def peak_tflops(device_kind: str) -> float | None:
     return None
 
 
-def non_embedding_params(params) -> int:
-    """N in 6N: every parameter except the token and position embedding tables."""
-    return sum(math.prod(v.shape) for k, v in params.items() if k not in EMBEDDING_PARAMS
-               for v in jax.tree.leaves(v))
+def matmul_params(params, spec) -> int:
+    """N in 6N: the parameters a token's matmuls use. The embedding tables are lookups and do not
+    count; when the output head is tied to the token table, that table is a matmul there and counts
+    once (vocab x d_model); a separate head counts as any other weight."""
+    n = sum(math.prod(v.shape) for k, v in params.items() if k not in EMBEDDING_PARAMS
+            for v in jax.tree.leaves(v))
+    return n + (math.prod(params["embed"].shape) if spec.tie_embeddings else 0)
 
 
 def active_params(params, spec) -> int:
-    """N for a token: non-embedding parameters, counting of the expert weights only the top_k of
+    """N for a token: `matmul_params`, counting of the expert weights only the top_k of
     num_experts each token uses (the dense-equivalent N of an MoE model)."""
-    n = non_embedding_params(params)
+    n = matmul_params(params, spec)
     if not spec.moe.num_experts:
         return n
     experts = expert_param_count(params)

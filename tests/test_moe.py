@@ -198,7 +198,7 @@ def test_decode_equals_the_full_forward(family, every):
 
 def test_active_parameters_for_mfu():
     model = LanguageModel(SPEC)
-    n = metrics_lib.non_embedding_params(model.shapes)
+    n = metrics_lib.matmul_params(model.shapes, SPEC)
     experts = 2 * 3 * 8 * 64 * 64  # 2 MoE layers x (gate, up, down) x 8 experts x d_model x expert d_ff
     assert metrics_lib.active_params(model.shapes, SPEC) == n - experts + experts * 2 // 8
 
