@@ -9,7 +9,9 @@ allocated. Per device it reports the parameter, gradient and optimizer-state byt
 compiled program's shardings beside the arithmetic (params 4N, grads 4N, Adam 8N, each divided
 by the devices that split it), their ratio (1.00 = as the arithmetic says), and the temporary
 and total bytes from `compiled.memory_analysis()` (total = arguments + temporaries + outputs not
-aliased to donated inputs). A layout the config cannot take (heads not divisible, too few
+aliased to donated inputs), and the collectives one step runs (kind x count, result bytes per
+device, from the compiled HLO; XLA:CPU writes a reduce-scatter as an all-reduce and a slice).
+A layout the config cannot take (heads not divisible, too few
 devices) gets a row with the error instead of numbers.
 """
 
@@ -58,21 +60,24 @@ def measure(config_path: str, overrides: list[str], layout: str, platform: str |
     got, want = plan["per_device_bytes"], plan["expected_bytes"]
     return {"layout": layout, "mesh": {k: v for k, v in plan["mesh"].items() if v > 1},
             "zero_stage": plan["zero_stage"], "num_params": plan["num_params"], "compile_s": plan["compile_s"],
-            "per_device_bytes": got, "expected_bytes": want, "ratio": {k: got[k] / want[k] for k in STATE}}
+            "per_device_bytes": got, "expected_bytes": want, "ratio": {k: got[k] / want[k] for k in STATE},
+            "collectives": {k: v for k, v in plan["collectives"].items() if v["count"]}}
 
 
 def table(rows: list[dict], config_text: str) -> str:
     """The markdown entry: compiled / arithmetic (ratio) per state part, then temp and total."""
     size = _common.size_text
-    lines = ["| layout | params: compiled / arithmetic | grads | optimizer state | temp | total |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| layout | params: compiled / arithmetic | grads | optimizer state | temp | total | collectives |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['layout']} | {r['error']} | | | | |")
+            lines.append(f"| {r['layout']} | {r['error']} | | | | | |")
             continue
         got, want = r["per_device_bytes"], r["expected_bytes"]
         cells = [f"{size(got[k])} / {size(want[k])} ({r['ratio'][k]:.2f})" for k in STATE]
-        lines.append(f"| {r['layout']} | " + " | ".join(cells) + f" | {size(got['temp'])} | {size(got['total'])} |")
+        sent = ", ".join(f"{k} {v['count']}x {size(v['bytes'])}" for k, v in r["collectives"].items())
+        lines.append(f"| {r['layout']} | " + " | ".join(cells) + f" | {size(got['temp'])} | {size(got['total'])} "
+                     f"| {sent} |")
     lines.append(f"\n{config_text}; per device; ratio = compiled / arithmetic; temp and total from "
                  "memory_analysis() of the compiled step.")
     return "\n".join(lines)

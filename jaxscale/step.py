@@ -73,14 +73,19 @@ def _grad_fn(spec: StepSpec):
     return fn
 
 
-def _accumulate(params, batch: Batch, spec: StepSpec):
-    """Mean (metrics, grads) over spec.accum_steps microbatches, summed in float32."""
+def _accumulate(params, batch: Batch, spec: StepSpec, grad_shardings=None):
+    """Mean (metrics, grads) over spec.accum_steps microbatches, summed in float32. With
+    `grad_shardings`, each microbatch's gradients and the running sum are kept there."""
     grad_fn, names = _grad_fn(spec), ("loss",) + spec.model.stat_names
 
-    def add(carry, micro):
-        return jax.tree.map(jnp.add, carry, grad_fn(params, micro)), None
+    def place(grads):
+        return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
 
-    zeros = ({name: jnp.zeros((), jnp.float32) for name in names}, jax.tree.map(jnp.zeros_like, params))
+    def add(carry, micro):
+        metrics, grads = grad_fn(params, micro)
+        return jax.tree.map(jnp.add, carry, (metrics, place(grads))), None
+
+    zeros = ({name: jnp.zeros((), jnp.float32) for name in names}, place(jax.tree.map(jnp.zeros_like, params)))
     total = jax.lax.scan(add, zeros, microbatch.split_tree(batch, spec.accum_steps))[0]
     return jax.tree.map(lambda x: x / spec.accum_steps, total)
 
@@ -99,13 +104,22 @@ def _accumulate_per_replica(params, batch: Batch, spec: StepSpec):
 
 def loss_and_grads(params, batch: Batch, spec: StepSpec):
     """Mean metrics ('loss' and the router statistics, see loss_fn) and gradients over
-    spec.accum_steps microbatches."""
+    spec.accum_steps microbatches.
+
+    ZeRO 0-1 keep whole gradients on every replica: each sums its microbatches locally and one
+    all-reduce over `data` per step averages them. From ZeRO-2 gradients live split over `data`,
+    and so does the running sum: each microbatch's gradients are reduced into it, so a device holds
+    one microbatch's gradients and 1/data of the sum, not two whole copies. The price is a
+    reduce-scatter per microbatch ((n-1)/n of the gradient bytes each) in place of one all-reduce
+    per step (2(n-1)/n): the memory ZeRO-2 is chosen for, paid in bandwidth, as DeepSpeed's ZeRO-2
+    and FSDP2's default do. Summing whole locally and reducing once, as ZeRO-2 did before, sends
+    less but keeps the whole sum, which is what ZeRO-2 exists to avoid (benchmarks/RESULTS.md,
+    "ZeRO-2 under accumulation", has both measured)."""
     if spec.accum_steps == 1:
         return _grad_fn(spec)(params, batch)
-    if spec.layout.zero_stage < 3:
+    if spec.layout.zero_stage < 2:
         return _accumulate_per_replica(params, batch, spec)
-    # ZeRO-3: parameters are split over `data` too, so each microbatch gathers them; no shard_map.
-    return _accumulate(params, batch, spec)
+    return _accumulate(params, batch, spec, spec.grad_shardings)
 
 
 def _on_device(state: TrainState, spec: StepSpec) -> TrainState:

@@ -159,7 +159,7 @@ def test_kv_heads_fewer_than_tensor_are_replicated(optim_cfg):
     _assert_same(_run(layout, 1, optim_cfg, spec=spec), one, rtol=1e-5)
 
 
-@pytest.mark.parametrize("devices, zero_stage", [(1, 0), (2, 0), (8, 0), (8, 3)])
+@pytest.mark.parametrize("devices, zero_stage", [(1, 0), (2, 0), (8, 0), (8, 2), (8, 3)])
 def test_accumulation_equals_one_big_batch(reference, optim_cfg, devices, zero_stage):
     _assert_same(_run(_layout(devices, data=devices, zero_stage=zero_stage), 4, optim_cfg, steps=3),
                  reference, rtol=1e-5)
