@@ -1,9 +1,12 @@
-"""CLI: python -m jaxscale.plan --config=PATH [--config.a.b=v ...] [--json] [--device_memory_gb=80] [--platform=gpu]
+"""CLI: python -m jaxscale.plan --config=PATH [--config.a.b=v ...] [--json] [--device_memory_gb=80]
+    [--platform=gpu | --topology=v5p-256]
 
 Compiles the real train step ahead of time for the configured mesh, allocating nothing (on fake
 CPU devices when the target hardware is absent: XLA_FLAGS=--xla_force_host_platform_device_count=N),
 and reports per device: parameter, gradient, optimizer and temporary bytes from the compiled
 program beside the arithmetic for the layout and ZeRO stage, and the collectives per step.
+`--topology` compiles for a TPU pod slice with the TPU compiler itself (libtpu's compile-only
+client, on any host) and checks the result against the chips' HBM.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jaxscale import cli, profile
+from jaxscale import cli, profile, topology
 from jaxscale import state as state_lib
 from jaxscale.build import build
+from jaxscale.errors import ConfigError
 from jaxscale.models.moe import expert_param_count
 from jaxscale.offload import HOST
 from jaxscale.parallel.pipeline import bubble_fraction
@@ -25,7 +29,7 @@ from jaxscale.sharding import Layout
 from jaxscale.step import jit_grad_step
 
 USAGE = ("usage: python -m jaxscale.plan --config=PATH [--config.section.key=value ...] [--json] "
-         "[--device_memory_gb=GB] [--platform=cpu|gpu|tpu]")
+         "[--device_memory_gb=GB] [--platform=cpu|gpu|tpu | --topology=v5p-256|v5e-256|v6e-256|v4-128|2xv5e-256]")
 GIB = 2**30
 
 
@@ -97,6 +101,9 @@ def make_plan(config, platform: str | None = None, devices=None) -> dict:
             "platform": platform, "compute_dtype": str(run.step_spec.dtype),
             "num_params": n_params, "compile_s": round(compile_s, 2), "per_device_bytes": per_device,
             "argument_bytes": memory.argument_size_in_bytes,
+            "compiled_bytes": {"argument": memory.argument_size_in_bytes, "output": memory.output_size_in_bytes,
+                               "temp": memory.temp_size_in_bytes, "alias": memory.alias_size_in_bytes,
+                               "code": memory.generated_code_size_in_bytes},
             "host_bytes": {"params": shard_bytes(state.params, HOST), "opt_state": shard_bytes(state.opt_state, HOST)},
             "expected_bytes": expected_bytes(n_layers, n_params - n_layers, run.layout, expert_param_count(params)),
             "collectives": profile.collective_stats(compiled.as_text()), "notes": list(run.notes)}
@@ -130,6 +137,9 @@ def _size(n: float) -> str:
 def table(plan: dict) -> str:
     """The human-readable report."""
     mesh = " ".join(f"{k}={v}" for k, v in plan["mesh"].items() if v > 1) or "1 device"
+    if "topology" in plan:
+        pod = plan["topology"]
+        mesh += f" on {pod['name']} ({pod['devices']} x {pod['device_kind']}, compiled by the TPU compiler)"
     rows = [f"plan: {plan['num_params'] / 1e6:,.1f}M params | mesh {mesh} | zero_stage={plan['zero_stage']} | "
             f"compute {plan['compute_dtype']} on {plan['platform']} | compiled in {plan['compile_s']}s",
             f"{'per device':<12}{'compiled':>14}{'arithmetic':>14}"]
@@ -146,6 +156,10 @@ def table(plan: dict) -> str:
         rows.append(f"pipeline: {pipe['schedule']}, {pipe['stages']} stages x {pipe['virtual_stages']} virtual x "
                     f"{pipe['microbatches']} microbatches, bubble {100 * pipe['bubble_fraction']:.1f}% "
                     "= (P-1)/(V*M+P-1)")
+    if plan.get("memory_limit_bytes"):
+        where = plan.get("topology", {}).get("name", plan["platform"])
+        rows.append(f"{'fits' if plan['fits'] else 'does not fit'}: {_size(plan['per_device_bytes']['total'])} of "
+                    f"{_size(plan['memory_limit_bytes'])} per device ({where})")
     rows.append("collectives per step:\n" + profile.summarize(plan["collectives"]))
     rows += [f"note: {note}" for note in plan.get("notes", [])]
     return "\n".join(rows)
@@ -158,10 +172,30 @@ def _device_limit(flag: float | None) -> float | None:
     return stats.get("bytes_limit")
 
 
+def _target(flags: dict) -> tuple[str | None, list | None, float | None, dict]:
+    """(platform, devices, memory limit per device, topology summary) the flags ask to plan for."""
+    if not flags.get("topology"):
+        return flags.get("platform"), None, _device_limit(flags.get("device_memory_gb")), {}
+    if flags.get("platform") not in (None, "tpu"):
+        raise ConfigError("--platform", flags["platform"], "--topology plans for tpu; drop one of the two")
+    devices, pod = topology.compile_only_devices(flags["topology"])
+    # The compile-only client compiles but cannot load executables: a persistent cache would
+    # store them and then fail (a warning) to read them back.
+    jax.config.update("jax_enable_compilation_cache", False)
+    limit = flags["device_memory_gb"] * GIB if flags.get("device_memory_gb") else topology.hbm_per_device(pod, devices)
+    return "tpu", devices, limit, {"name": pod.name, "slices": pod.slices, "chips_per_slice": pod.chips,
+                                   "devices": len(devices), "device_kind": devices[0].device_kind}
+
+
 def _plan(config, path: str, flags: dict) -> None:
-    result = make_plan(config, flags.get("platform"))
-    limit = _device_limit(flags.get("device_memory_gb"))
-    warnings = advice(result, config, limit) if limit and result["per_device_bytes"]["total"] > limit else []
+    platform, devices, limit, pod = _target(flags)
+    result = make_plan(config, platform, devices)
+    if pod:
+        result["topology"] = pod
+    if limit:
+        result["memory_limit_bytes"] = limit
+        result["fits"] = result["per_device_bytes"]["total"] <= limit
+    warnings = advice(result, config, limit) if limit and not result["fits"] else []
     result["warnings"] = warnings
     print(json.dumps(result, indent=2) if flags.get("json") else table(result))
     for line in warnings if not flags.get("json") else []:
@@ -169,7 +203,7 @@ def _plan(config, path: str, flags: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.main(_plan, USAGE, {"json": bool, "device_memory_gb": float, "platform": str}, argv)
+    return cli.main(_plan, USAGE, {"json": bool, "device_memory_gb": float, "platform": str, "topology": str}, argv)
 
 
 if __name__ == "__main__":

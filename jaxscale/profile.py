@@ -11,8 +11,13 @@ Counting rules (the contract every function here follows):
 
 * Only computations reachable from the ENTRY computation count; ENTRY runs once.
 * A ``while`` body runs ``known_trip_count`` times (from the instruction's
-  backend_config) and its condition one time more. Without a known trip count
-  both count once and the loop is reported as unknown by `collective_stats_detail`.
+  backend_config) and its condition one time more. The TPU compiler leaves that
+  field out; there a loop whose condition is ``ROOT compare(counter, constant(N)),
+  direction=LT`` runs N times (JAX's scans count from 0 in steps of 1). Any other
+  loop counts once and is reported as unknown by `collective_stats_detail`.
+* The TPU compiler fuses a reduce-scatter as an all-reduce and a slice in a
+  custom fusion calling ``%all-reduce-scatter...``: it counts as one
+  reduce-scatter, with the fusion's result bytes.
 * ``calls=``, ``to_apply=``, ``branch_computations=``, ``true_computation=``,
   ``false_computation=`` and ``called_computations=`` callees run once per run of
   their caller. Every branch of a conditional is counted: an upper bound, since
@@ -37,7 +42,10 @@ Stats = dict[str, dict[str, int]]
 _STRING_OR_COMMENT = re.compile(r'"(?:[^"\\]|\\.)*"|/\*.*?\*/')
 _METADATA = re.compile(r'metadata=\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
 _HEADER = re.compile(r"(ENTRY\s+)?%?([^\s(){}]+)")
-_INSTRUCTION = re.compile(r"\s*(?:ROOT\s+)?%?[^\s=]+\s*=\s*")
+_INSTRUCTION = re.compile(r"\s*(ROOT\s+)?%?([^\s=]+)\s*=\s*")
+_OPERANDS = re.compile(r"\(\s*%?([^\s,()]+)\s*,\s*%?([^\s,()]+)\s*\)")
+_CONSTANT = re.compile(r"constant\((-?\d+)\)")
+_FUSED_REDUCE_SCATTER = re.compile(r"\bcalls=%?all-reduce-scatter")  # the TPU compiler's reduce-scatter fusions
 _OPCODE = re.compile(r"\s*([\w\-]+)\(")
 _ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
 _TRIP_COUNT = re.compile(r'known_trip_count\\?"\s*:\s*\{\s*\\?"n\\?"\s*:\s*\\?"(\d+)')
@@ -53,7 +61,10 @@ class _Computation:
 
     own: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # kind -> [count, bytes]
     calls: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (callee, runs per run)
+    loops: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (body, condition), no trip count
     unknown_loops: int = 0
+    constants: dict[str, int] = dataclasses.field(default_factory=dict)  # integer scalar constants by name
+    bound: int | None = None  # as a loop condition `counter < N`: N
 
     def add(self, kind: str, nbytes: int) -> None:
         acc = self.own.setdefault(kind, [0, 0])
@@ -120,7 +131,20 @@ def _parse_module(hlo_text: str) -> tuple[dict[str, _Computation], str]:
             _parse_instruction(line, current)
     if entry is None:
         raise ValueError("no ENTRY computation found in the HLO text")
+    for computation in computations.values():
+        _resolve_loops(computation, computations)
     return computations, entry
+
+
+def _resolve_loops(computation: _Computation, computations: dict[str, _Computation]) -> None:
+    """Calls for the loops with no known_trip_count: N runs where the condition reads `counter < N`."""
+    for body, condition in computation.loops:
+        trip = computations[condition].bound if condition in computations else None
+        if trip is None:  # as if it ran once, and reported
+            computation.unknown_loops += 1
+            computation.calls.extend([(body, 1), (condition, 1)])
+        else:
+            computation.calls.extend([(body, trip), (condition, trip + 1)])
 
 
 def _header(line: str) -> tuple[bool, str] | None:
@@ -144,7 +168,11 @@ def _parse_instruction(line: str, computation: _Computation) -> None:
     if op is None:
         return
     opcode = op.group(1)
+    _note_loop_bound(computation, head, opcode, rest)
     kind = opcode.removesuffix("-start")
+    if opcode == "fusion" and _FUSED_REDUCE_SCATTER.search(rest):
+        computation.add("reduce-scatter", _result_bytes(opcode, shape))
+        return
     if kind in COLLECTIVES:
         # Callees of a collective are reduction lambdas, or (for async wrappers)
         # the same collective again: following them would double count.
@@ -154,8 +182,23 @@ def _parse_instruction(line: str, computation: _Computation) -> None:
         return  # the matching -start already accounted for the work
     trip = _trip_count(line) if opcode == "while" else None
     if opcode == "while" and trip is None:
-        computation.unknown_loops += 1
+        callees = dict(_CALLEE_ATTR.findall(rest))
+        computation.loops.append((_CALLEE_NAME.findall(callees["body"])[0],
+                                  _CALLEE_NAME.findall(callees["condition"])[0]))
+        return
     computation.calls.extend(_callees(rest, trip))
+
+
+def _note_loop_bound(computation: _Computation, head: re.Match, opcode: str, rest: str) -> None:
+    """Remember integer constants, and N when the ROOT is `compare(x, constant N), direction=LT`."""
+    if opcode == "constant":
+        value = _CONSTANT.match(rest.strip())
+        if value:
+            computation.constants[head.group(2)] = int(value.group(1))
+    elif opcode == "compare" and head.group(1) and "direction=LT" in rest:
+        operands = _OPERANDS.search(rest)
+        if operands and operands.group(2) in computation.constants:
+            computation.bound = computation.constants[operands.group(2)]
 
 
 def _split_shape(code: str, start: int) -> tuple[str, str]:

@@ -117,6 +117,40 @@ def test_unknown_trip_count_counts_once_and_is_reported():
     assert stats["all-reduce"]["count"] == 1 and unknown == 1
 
 
+# The TPU compiler's form: no known_trip_count; the condition compares the counter with a constant.
+COUNTED_COND = """%cond.1 (param.52: (s32[], f32[16])) -> pred[] {
+  %constant.9.clone = s32[]{:T(128)} constant(6)
+  %param.52 = (s32[], f32[16]{0}) parameter(0)
+  %i.52 = s32[]{:T(128)} get-tuple-element(%param.52), index=0
+  ROOT %lt.1 = pred[]{:T(512)} compare(%i.52, %constant.9.clone), direction=LT, metadata={op_name="x"}
+}
+"""
+
+
+def test_a_loop_counting_to_a_constant_runs_that_many_times():
+    body = loop_body("b", "%ar = f32[16]{0} all-reduce(%v.b), to_apply=%add.clone", "%c = s32[] constant(0)")
+    stats, unknown = collective_stats_detail(module(COUNTED_COND, body, entry(while_line("w", "b", None))))
+    assert stats["all-reduce"] == {"count": 6, "bytes": 6 * 64} and unknown == 0
+    # Counting down, or to a value computed at run time, proves nothing: once, and reported.
+    down = COUNTED_COND.replace("direction=LT", "direction=GT")
+    stats, unknown = collective_stats_detail(module(down, body, entry(while_line("w", "b", None))))
+    assert stats["all-reduce"]["count"] == 1 and unknown == 1
+
+
+def test_a_tpu_reduce_scatter_fusion_is_one_reduce_scatter():
+    fused = """%all-reduce-scatter.7 (input.7: f32[256,128]) -> f32[32,128] {
+  %input.7 = f32[256,128]{1,0} parameter(0)
+  %all-reduce.77 = f32[256,128]{1,0} all-reduce(%input.7), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add.clone
+  %pid = u32[] partition-id()
+  %zero = u32[] constant(0)
+  ROOT %ds = f32[32,128]{1,0} dynamic-slice(%all-reduce.77, %pid, %zero), dynamic_slice_sizes={32,128}
+}
+"""
+    text = module(fused, entry("%f = f32[32,128]{1,0:T(8,128)} fusion(%p), kind=kCustom, calls=%all-reduce-scatter.7"))
+    assert counts(collective_stats(text)) == {"reduce-scatter": 1}
+    assert collective_stats(text)["reduce-scatter"]["bytes"] == 32 * 128 * 4
+
+
 def test_condition_computation_runs_once_more_than_body():
     cond = COND.replace("ROOT %lt = pred[] constant(true)",
                         "%ar = f32[4]{0} all-reduce(%z), to_apply=%add.clone\n  ROOT %lt = pred[] constant(true)")

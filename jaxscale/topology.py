@@ -1,0 +1,90 @@
+"""TPU pod slices by their Cloud TPU names, as devices to compile for on any host.
+
+    devices, pod = topology.compile_only_devices("v5p-256")   # 128 chips, nothing allocated
+
+JAX's TPU compile-only client (libtpu, `pip install 'jaxscale[tpu]'`) describes a topology's
+devices without owning them, so the real train step compiles for a pod on a laptop, and its
+memory and collectives come from the TPU compiler. Names follow Cloud TPU: `v4-N` and `v5p-N`
+count TensorCores (2 per chip), `v5e-N` and `v6e-N` chips; `KxNAME` is K slices joined over the
+data-center network (mesh_dcn).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+from jaxscale.errors import ConfigError
+
+GIB = 2**30
+# generation -> (libtpu's name, TensorCores counted per chip in the slice name, HBM GiB per chip, 3D torus)
+GENERATIONS = {"v4": ("v4", 2, 32, True), "v5p": ("v5p", 2, 95, True), "v5e": ("v5e", 1, 16, False),
+               "v6e": ("v6e", 1, 32, False)}
+# chips -> the slice's shape in chips: 2D for v5e/v6e, 3D tori for v4/v5p
+SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
+             512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
+_NAME = re.compile(r"(?:(\d+)x)?(v4|v5p|v5e|v6e)-(\d+)")
+FIELD = "--topology"
+
+
+@dataclasses.dataclass(frozen=True)
+class Pod:
+    """A named TPU pod: `slices` slices of `chips` chips each, in `shape`."""
+
+    name: str
+    generation: str
+    chips: int             # per slice
+    slices: int
+    shape: str             # per slice, as libtpu names it: "4x4x8"
+    hbm_per_chip: int      # bytes
+
+    @property
+    def libtpu_name(self) -> str:
+        return f"{GENERATIONS[self.generation][0]}:{self.shape}"
+
+    @property
+    def accelerator_type(self) -> str:
+        """One slice's Cloud TPU accelerator type (v5e's is spelled v5litepod)."""
+        count = self.chips * GENERATIONS[self.generation][1]
+        return f"{'v5litepod' if self.generation == 'v5e' else self.generation}-{count}"
+
+
+def parse(name: str) -> Pod:
+    """The pod a Cloud TPU slice name describes; ConfigError naming --topology otherwise."""
+    match = _NAME.fullmatch(name.strip().lower())
+    if not match:
+        raise ConfigError(FIELD, name, "expected a Cloud TPU slice such as v5p-256, v5e-256, v6e-256, v4-128 "
+                                       "or 2xv5e-256 (two slices)")
+    slices, generation, count = int(match.group(1) or 1), match.group(2), int(match.group(3))
+    _, cores_per_chip, hbm_gib, torus = GENERATIONS[generation]
+    shapes = SHAPES_3D if torus else SHAPES_2D
+    chips = count // cores_per_chip
+    if count % cores_per_chip or chips not in shapes or slices < 1:
+        sizes = ", ".join(f"{generation}-{c * cores_per_chip}" for c in shapes)
+        raise ConfigError(FIELD, name, f"no such {generation} slice; known: {sizes}")
+    return Pod(name, generation, chips, slices, shapes[chips], hbm_gib * GIB)
+
+
+def compile_only_devices(name: str) -> tuple[list, Pod]:
+    """(devices to compile for, the pod) of a named slice; nothing is allocated. Needs libtpu."""
+    pod = parse(name)
+    # libtpu reads these when it starts; off a TPU VM it would guess them and print warnings.
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", pod.accelerator_type)
+    try:
+        from jax.experimental import topologies
+
+        kwargs = {"num_slices": pod.slices} if pod.slices > 1 else {}
+        devices = topologies.get_topology_desc(pod.libtpu_name, "tpu", **kwargs).devices
+    except (ImportError, RuntimeError) as error:
+        raise ConfigError(FIELD, name, "compiling for a TPU topology needs libtpu: pip install 'jaxscale[tpu]' "
+                                       f"({str(error).splitlines()[0][:120]})") from None
+    return list(devices), pod
+
+
+def hbm_per_device(pod: Pod, devices: list) -> float:
+    """HBM bytes one device may use: a chip's HBM, shared by the devices libtpu makes of a chip
+    (one per chip on v5p, v5e and v6e; v4's compile-only client makes one per TensorCore)."""
+    return pod.hbm_per_chip * pod.chips * pod.slices / len(devices)

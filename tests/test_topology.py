@@ -1,0 +1,99 @@
+"""Plans for TPU pod slices, compiled by the TPU compiler on this CPU host (libtpu's compile-only
+client): slice names, per-device state bytes against the arithmetic, and the command line."""
+
+import json
+
+import pytest
+
+from conftest import ROOT
+from jaxscale import config as config_lib
+from jaxscale import plan as plan_lib
+from jaxscale import topology
+from jaxscale.errors import ConfigError
+
+pytest.importorskip("libtpu", reason="compiling for TPU needs libtpu (pip install 'jaxscale[tpu]')")
+
+
+@pytest.mark.parametrize("name, chips, slices, shape, hbm_gib", [
+    ("v5p-256", 128, 1, "4x4x8", 95),      # v4 and v5p names count TensorCores, 2 per chip
+    ("v4-128", 64, 1, "4x4x4", 32),
+    ("v5e-256", 256, 1, "16x16", 16),     # v5e and v6e names count chips
+    ("v6e-8", 8, 1, "2x4", 32),
+    ("2xv5e-256", 256, 2, "16x16", 16),   # two slices, joined over DCN
+])
+def test_slice_names(name, chips, slices, shape, hbm_gib):
+    pod = topology.parse(name)
+    assert (pod.chips, pod.slices, pod.shape, pod.hbm_per_chip) == (chips, slices, shape, hbm_gib * 2**30)
+
+
+@pytest.mark.parametrize("name, words", [("v5p-7", "no such v5p slice"), ("v3-8", "expected a Cloud TPU slice"),
+                                         ("h100-8", "expected a Cloud TPU slice"), ("v5e-512", "v5e-256")])
+def test_a_bad_slice_name_names_the_flag(name, words):
+    with pytest.raises(ConfigError) as info:
+        topology.parse(name)
+    assert info.value.field == "--topology" and words in str(info.value)
+
+
+def test_devices_come_from_libtpu_and_share_a_chips_hbm():
+    devices, pod = topology.compile_only_devices("2xv5e-16")
+    assert len(devices) == 32 and {d.slice_index for d in devices} == {0, 1}
+    assert devices[0].device_kind == "TPU v5 lite" and topology.hbm_per_device(pod, devices) == 16 * 2**30
+
+
+def test_without_libtpu_the_error_says_what_to_install(monkeypatch):
+    from jax.experimental import topologies
+
+    def absent(*args, **kwargs):
+        raise RuntimeError("Unable to initialize backend 'tpu': no libtpu")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", absent)
+    with pytest.raises(ConfigError, match=r"jaxscale\[tpu\]") as info:
+        topology.compile_only_devices("v5e-8")
+    assert info.value.field == "--topology"
+
+
+def _config(*overrides):
+    config = config_lib.load(str(ROOT / "configs" / "tiny.py"))
+    config_lib.apply_overrides(config, ["mesh.data=1", "train.global_batch_size=256", "model.d_model=256",
+                                        "model.d_ff=512", *overrides])
+    return config
+
+
+@pytest.fixture(scope="module")
+def pod_plans():
+    """A small model (tiny.py at d_model 256, so fsdp can split it 256 ways) compiled for 256 v5e
+    chips: fsdp over all of them, and data with ZeRO-3."""
+    devices, _ = topology.compile_only_devices("v5e-256")
+    layouts = {"fsdp256": ["mesh.fsdp=256"], "zero3_data256": ["mesh.data=256", "zero_stage=3"]}
+    return {name: plan_lib.make_plan(_config(*o), "tpu", devices) for name, o in layouts.items()}
+
+
+@pytest.mark.parametrize("name", ["fsdp256", "zero3_data256"])
+def test_state_bytes_from_the_tpu_compiler_match_the_arithmetic(pod_plans, name):
+    plan = pod_plans[name]
+    assert plan["platform"] == "tpu" and plan["mesh"]["fsdp"] * plan["mesh"]["data"] == 256
+    got, want = plan["per_device_bytes"], plan["expected_bytes"]
+    for key in ("params", "grads", "opt_state"):
+        assert got[key] == pytest.approx(want[key], rel=0.05), key
+    assert plan["compiled_bytes"]["code"] > 0  # the TPU executable's own size is reported
+
+
+# The command turns JAX's persistent cache off before it compiles (the compile-only client cannot
+# load what it would store); in this process the cache was already on, so a second compile of the
+# same step reads an entry back and JAX warns.
+@pytest.mark.filterwarnings("ignore:Error reading persistent compilation cache entry")
+def test_cli_says_whether_it_fits(capsys):
+    args = ["--config=configs/tiny.py", "--config.mesh.data=-1", "--topology=v5e-8", "--json"]
+    assert plan_lib.main(args) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["topology"] == {"name": "v5e-8", "slices": 1, "chips_per_slice": 8, "devices": 8,
+                                "device_kind": "TPU v5 lite"}
+    assert plan["memory_limit_bytes"] == 16 * 2**30 and plan["fits"] is True and plan["warnings"] == []
+    assert plan["collectives"]["all-reduce"]["count"] > 0  # data parallel: the gradients are summed
+    small = plan_lib.main([*args[:-1], "--device_memory_gb=0.001"])  # 1 MB: the state alone is 4.9 MB
+    assert small == 0 and "does not fit" in capsys.readouterr().err
+
+
+def test_cli_refuses_a_topology_for_another_platform(capsys):
+    assert plan_lib.main(["--config=configs/tiny.py", "--topology=v5e-8", "--platform=gpu"]) == 2
+    assert capsys.readouterr().err.startswith("jaxscale: error: --platform")
