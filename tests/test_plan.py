@@ -6,7 +6,7 @@ import pytest
 
 from conftest import ROOT, run_cli
 from jaxscale import config as config_lib
-from jaxscale.plan import advice, make_plan
+from jaxscale.plan import advice, compile_plan, make_plan
 
 BATCH_BYTES = 2 * 32 * 128 * 4  # inputs + targets, int32, tiny config at batch 32 (a whole copy at most)
 ACCUM4 = ["train.global_batch_size=32", "train.grad_accum_steps=4"]
@@ -82,6 +82,18 @@ def test_zero_stages_move_collectives(plans):
     assert dp["all-gather"]["count"] == 0
     assert fsdp["all-gather"]["bytes"] >= 0.95 * gradient_bytes  # every parameter gathered whole before use
     assert plans["zero3"]["collectives"]["all-gather"]["bytes"] >= 0.95 * gradient_bytes
+
+
+def test_tensor_parallel_never_holds_the_whole_table_or_vocabulary():
+    """tensor=4: the embedding lookup, the output head and the loss all work on each device's
+    quarter of the vocabulary. The compiled step has no array of the whole table (256 x 128) and
+    no logits over the whole vocabulary (before: the table was all-gathered for the lookup)."""
+    import re
+
+    text = compile_plan(_config("mesh.data=2", "mesh.tensor=4", "model.dtype='float32'"), "cpu")[1].as_text()
+    assert re.findall(r"f32\[\d+,\d+,64\]", text), "expected logits split 4 ways over the vocabulary"
+    assert not re.findall(r"\w+\[(?:256,128|128,256)\]", text)
+    assert not re.findall(r"\w+\[\d+,\d+,256\]", text)
 
 
 def test_advice_names_the_biggest_contributor(plans):

@@ -132,9 +132,10 @@ class Transformer(nnx.Module):
         parallel under an active layout). With one (stacked {'k', 'v'}: [layers, B, S, K, E]):
         decoding, the tokens at consecutive positions attend to everything cached before them.
         """
-        # A split table cannot serve a row lookup without resharding the result through one
-        # device: gather the (compute-dtype) table whole first, as FSDP gathers any weight.
-        x_BLD = jnp.take(constrain(self.embed[...], (None, None)), tokens_BL, axis=0)
+        # Vocab-parallel lookup: the table stays split as the rules place it (vocab over tensor);
+        # the partitioner looks each row up where it lives and combines the partial rows, so no
+        # device gathers the whole table (tests/test_plan.py checks the compiled step).
+        x_BLD = jnp.take(self.embed[...], tokens_BL, axis=0)
         if self.spec.family == "gpt2":
             x_BLD = x_BLD + jnp.take(self.pos_embed[...], positions_BL, axis=0)
         x_BLD = constrain(x_BLD, RESIDUAL)
