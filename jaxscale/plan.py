@@ -106,7 +106,18 @@ def make_plan(config, platform: str | None = None, devices=None) -> dict:
                                "code": memory.generated_code_size_in_bytes},
             "host_bytes": {"params": shard_bytes(state.params, HOST), "opt_state": shard_bytes(state.opt_state, HOST)},
             "expected_bytes": expected_bytes(n_layers, n_params - n_layers, run.layout, expert_param_count(params)),
-            "collectives": profile.collective_stats(compiled.as_text()), "notes": list(run.notes)}
+            "collectives": profile.collective_stats(compiled.as_text()), "flops": _flops(run, compiled, config),
+            "notes": list(run.notes)}
+
+
+def _flops(run, compiled, config) -> dict:
+    """Matmul FLOPs per device per step: the compiled program's (loops multiplied, remat's
+    recompute included) beside the PaLM formula's share of one device; their ratio shows
+    recomputation and work repeated across devices."""
+    formula = run.flops_per_token * config.train.global_batch_size * config.train.seq_len / run.layout.mesh.size
+    compiled_flops = profile.dot_flops(compiled.as_text())
+    return {"compiled_per_device": compiled_flops, "formula_per_device": formula,
+            "ratio": compiled_flops / formula if formula else None}
 
 
 def advice(plan: dict, config, limit_bytes: float) -> list[str]:
@@ -160,6 +171,9 @@ def table(plan: dict) -> str:
         where = plan.get("topology", {}).get("name", plan["platform"])
         rows.append(f"{'fits' if plan['fits'] else 'does not fit'}: {_size(plan['per_device_bytes']['total'])} of "
                     f"{_size(plan['memory_limit_bytes'])} per device ({where})")
+    flops = plan["flops"]
+    rows.append(f"matmul FLOPs per device per step: {flops['compiled_per_device'] / 1e12:,.3f} T compiled, "
+                f"{flops['formula_per_device'] / 1e12:,.3f} T by the formula (ratio {flops['ratio']:.2f})")
     rows.append("collectives per step:\n" + profile.summarize(plan["collectives"]))
     rows += [f"note: {note}" for note in plan.get("notes", [])]
     return "\n".join(rows)

@@ -1,4 +1,5 @@
-"""Collective-communication statistics read from compiled XLA programs.
+"""What one step of a compiled XLA program does, read from its HLO text: the collectives it runs
+(count and bytes per kind) and the FLOPs of its matrix multiplies.
 
 Feed it ``jax.jit(f).lower(*args).compile().as_text()`` (the post-optimisation HLO
 module text) to learn how many collectives one call of the program executes and
@@ -24,6 +25,9 @@ Counting rules (the contract every function here follows):
   the HLO text cannot say which branch is taken.
 * Async collectives count once, at their ``-start``; ``-done`` is skipped.
 * Bytes are those of the collective's result buffers on one device, summed.
+* `dot_flops` counts 2 x (result elements) x (contracted elements) per ``dot``,
+  under the same rules: a layer loop's matmuls count once per layer, and
+  rematerialised ones again (XLA's own cost analysis counts a loop body once).
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ _STRING_OR_COMMENT = re.compile(r'"(?:[^"\\]|\\.)*"|/\*.*?\*/')
 _METADATA = re.compile(r'metadata=\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
 _HEADER = re.compile(r"(ENTRY\s+)?%?([^\s(){}]+)")
 _INSTRUCTION = re.compile(r"\s*(ROOT\s+)?%?([^\s=]+)\s*=\s*")
+_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_FIRST_OPERAND = re.compile(r"dot\(\s*(?:([a-z][a-z0-9]*\[[^\]]*\])\S*\s+)?%?([^\s,()]+)")
 _OPERANDS = re.compile(r"\(\s*%?([^\s,()]+)\s*,\s*%?([^\s,()]+)\s*\)")
 _CONSTANT = re.compile(r"constant\((-?\d+)\)")
 _FUSED_REDUCE_SCATTER = re.compile(r"\bcalls=%?all-reduce-scatter")  # the TPU compiler's reduce-scatter fusions
@@ -64,6 +70,7 @@ class _Computation:
     loops: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (body, condition), no trip count
     unknown_loops: int = 0
     constants: dict[str, int] = dataclasses.field(default_factory=dict)  # integer scalar constants by name
+    shapes: dict[str, str] = dataclasses.field(default_factory=dict)  # instruction name -> its shape text
     bound: int | None = None  # as a loop condition `counter < N`: N
 
     def add(self, kind: str, nbytes: int) -> None:
@@ -98,6 +105,13 @@ def collective_stats_detail(hlo_text: str) -> tuple[Stats, int]:
     stats = {kind: {"count": totals.get(kind, [0, 0])[0], "bytes": totals.get(kind, [0, 0])[1]}
              for kind in COLLECTIVES}
     return stats, unknown
+
+
+def dot_flops(hlo_text: str) -> int:
+    """FLOPs of every matrix multiply one call of the program runs on one device (see the
+    module docstring); loops with no provable trip count count once."""
+    computations, entry = _parse_module(hlo_text)
+    return _totals(entry, computations, {}, set()).get("dot", [0, 0])[1]
 
 
 def summarize(stats: Mapping[str, Mapping[str, int]]) -> str:
@@ -168,7 +182,11 @@ def _parse_instruction(line: str, computation: _Computation) -> None:
     if op is None:
         return
     opcode = op.group(1)
+    computation.shapes[head.group(2)] = shape
     _note_loop_bound(computation, head, opcode, rest)
+    if opcode == "dot":
+        computation.add("dot", _dot_flops(shape, rest, computation.shapes))
+        return
     kind = opcode.removesuffix("-start")
     if opcode == "fusion" and _FUSED_REDUCE_SCATTER.search(rest):
         computation.add("reduce-scatter", _result_bytes(opcode, shape))
@@ -187,6 +205,19 @@ def _parse_instruction(line: str, computation: _Computation) -> None:
                                   _CALLEE_NAME.findall(callees["condition"])[0]))
         return
     computation.calls.extend(_callees(rest, trip))
+
+
+def _dot_flops(shape: str, rest: str, shapes: dict[str, str]) -> int:
+    """2 x result elements x contracted elements of a dot; 0 when its left operand's shape is unknown."""
+    operand, contracting = _FIRST_OPERAND.search(rest), _CONTRACTING.search(rest)
+    lhs = operand and (operand.group(1) or shapes.get(operand.group(2)))
+    arrays = _ARRAY.findall(lhs or "")
+    if not arrays or contracting is None:
+        return 0
+    dims = [_dimension(d) for d in arrays[0][1].split(",") if d.strip()]
+    contracted = math.prod(dims[int(i)] for i in contracting.group(1).split(",") if i)
+    result = math.prod(_dimension(d) for d in _ARRAY.findall(shape)[0][1].split(",") if d.strip())
+    return 2 * result * contracted
 
 
 def _note_loop_bound(computation: _Computation, head: re.Match, opcode: str, rest: str) -> None:

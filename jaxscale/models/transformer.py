@@ -132,10 +132,12 @@ class Transformer(nnx.Module):
         parallel under an active layout). With one (stacked {'k', 'v'}: [layers, B, S, K, E]):
         decoding, the tokens at consecutive positions attend to everything cached before them.
         """
-        # Vocab-parallel lookup: the table stays split as the rules place it (vocab over tensor);
-        # the partitioner looks each row up where it lives and combines the partial rows, so no
-        # device gathers the whole table (tests/test_plan.py checks the compiled step).
-        x_BLD = jnp.take(self.embed[...], tokens_BL, axis=0)
+        # Vocab-parallel lookup: the table stays split over vocab (tensor) and each device looks
+        # up the rows it holds; the partial rows are summed. Only its embed split (fsdp) is
+        # gathered first, as FSDP gathers any weight: left split both ways, the partitioner
+        # cannot serve batch rows split over fsdp and fully rematerialises the lookup (it warns,
+        # on fsdp x tensor and pipeline layouts). tests/test_plan.py checks the compiled step.
+        x_BLD = jnp.take(constrain(self.embed[...], ("vocab", None)), tokens_BL, axis=0)
         if self.spec.family == "gpt2":
             x_BLD = x_BLD + jnp.take(self.pos_embed[...], positions_BL, axis=0)
         x_BLD = constrain(x_BLD, RESIDUAL)
