@@ -91,6 +91,7 @@ def make_plan(config, platform: str | None = None, devices=None) -> dict:
     memory, params = compiled.memory_analysis(), run.abstract_state.params
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     n_layers = sum(math.prod(x.shape) for x in jax.tree.leaves(params["layers"]))
+    collectives, _, flops = profile.step_totals(compiled.as_text())
     per_device = {**compiled_bytes(run, compiled), "temp": memory.temp_size_in_bytes}
     # Peak: live arguments + temporaries + outputs that do not reuse a donated input.
     per_device["total"] = (memory.argument_size_in_bytes + memory.temp_size_in_bytes
@@ -106,16 +107,15 @@ def make_plan(config, platform: str | None = None, devices=None) -> dict:
                                "code": memory.generated_code_size_in_bytes},
             "host_bytes": {"params": shard_bytes(state.params, HOST), "opt_state": shard_bytes(state.opt_state, HOST)},
             "expected_bytes": expected_bytes(n_layers, n_params - n_layers, run.layout, expert_param_count(params)),
-            "collectives": profile.collective_stats(compiled.as_text()), "flops": _flops(run, compiled, config),
+            "collectives": collectives, "flops": _flops(run, flops, config),
             "notes": list(run.notes)}
 
 
-def _flops(run, compiled, config) -> dict:
+def _flops(run, compiled_flops: int, config) -> dict:
     """Matmul FLOPs per device per step: the compiled program's (loops multiplied, remat's
     recompute included) beside the PaLM formula's share of one device; their ratio shows
     recomputation and work repeated across devices."""
     formula = run.flops_per_token * config.train.global_batch_size * config.train.seq_len / run.layout.mesh.size
-    compiled_flops = profile.dot_flops(compiled.as_text())
     return {"compiled_per_device": compiled_flops, "formula_per_device": formula,
             "ratio": compiled_flops / formula if formula else None}
 

@@ -97,6 +97,12 @@ def collective_stats_detail(hlo_text: str) -> tuple[Stats, int]:
     Each such loop was counted as running once, so a non-zero second value means
     the first is a lower bound for what those loops contain.
     """
+    stats, unknown, _ = step_totals(hlo_text)
+    return stats, unknown
+
+
+def step_totals(hlo_text: str) -> tuple[Stats, int, int]:
+    """(`collective_stats`, loops with no provable trip count, `dot_flops`) from one parse."""
     computations, entry = _parse_module(hlo_text)
     memo: dict[str, dict[str, list[int]]] = {}
     totals = _totals(entry, computations, memo, set())
@@ -104,14 +110,13 @@ def collective_stats_detail(hlo_text: str) -> tuple[Stats, int]:
     unknown = sum(computations[name].unknown_loops for name in memo)
     stats = {kind: {"count": totals.get(kind, [0, 0])[0], "bytes": totals.get(kind, [0, 0])[1]}
              for kind in COLLECTIVES}
-    return stats, unknown
+    return stats, unknown, totals.get("dot", [0, 0])[1]
 
 
 def dot_flops(hlo_text: str) -> int:
     """FLOPs of every matrix multiply one call of the program runs on one device (see the
     module docstring); loops with no provable trip count count once."""
-    computations, entry = _parse_module(hlo_text)
-    return _totals(entry, computations, {}, set()).get("dot", [0, 0])[1]
+    return step_totals(hlo_text)[2]
 
 
 def summarize(stats: Mapping[str, Mapping[str, int]]) -> str:
