@@ -15,7 +15,9 @@ Nothing found: one process, and jax.distributed is not started.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import sys
 
 import jax
 import numpy as np
@@ -138,3 +140,23 @@ def job_description() -> str:
     if jax.process_count() == 1:
         return f"{jax.device_count()} devices"
     return f"{jax.process_count()} processes x {jax.local_device_count()} devices"
+
+
+def leave(code: int) -> int:
+    """End this process's part of a multi-process job with exit code `code`: every process leaves
+    the coordination service together (`jax.distributed.shutdown` waits for the others), then the
+    process ends at once, its output flushed. Interpreter teardown is skipped on purpose: with the
+    runtime's C++ threads still alive it sometimes aborted a job that had finished cleanly (exit
+    -6 after the final checkpoint committed). Everything of ours is closed before this is called.
+    A single process returns `code` and exits as usual."""
+    if not jax.distributed.is_initialized():
+        return code
+    try:
+        jax.distributed.shutdown()
+    except Exception as error:  # another process is already gone: nothing is left to coordinate
+        print(f"jaxscale: note: process {jax.process_index()} left the job without the others: {error}",
+              file=sys.stderr)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

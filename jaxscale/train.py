@@ -24,7 +24,12 @@ def _train(config, path: str, flags: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.main(_train, USAGE, {"workdir": str}, argv)
+    code = cli.main(_train, USAGE, {"workdir": str}, argv)
+    if "jax" not in sys.modules:  # help or a bad flag: JAX never started
+        return code
+    from jaxscale import distributed
+
+    return distributed.leave(code)
 
 
 if __name__ == "__main__":
