@@ -106,6 +106,23 @@ def run_cli(args, devices: int = 8, cwd=ROOT, timeout: int = 300, module: str = 
                           capture_output=True, text=True, timeout=timeout)
 
 
+def main_cli(args, module: str = "jaxscale.train"):
+    """`python -m MODULE ARGS` run in this process: its `main(argv)` with stdout and stderr
+    captured, returned as a CompletedProcess. The same command as `run_cli` with 8 devices and
+    FAST_COMPILE (this process's devices and flags), without a fresh interpreter importing the
+    whole stack again (about 9 s of CPU a run); for runs that need no process of their own."""
+    import contextlib
+    import importlib
+    import io
+    import subprocess
+
+    command = _command(module, args)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = importlib.import_module(module).main(command[3:])
+    return subprocess.CompletedProcess(command, code, out.getvalue(), err.getvalue())
+
+
 def start_cli(args, devices: int = 8, module: str = "jaxscale.train", flags: str = FAST_COMPILE):
     """Start `python -m MODULE ARGS` without waiting (stdout and stderr piped together)."""
     import subprocess

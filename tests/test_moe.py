@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from conftest import ROOT, initial_state, make_layout, run_cli
+from conftest import ROOT, initial_state, main_cli, make_layout
 from jaxscale import config as config_lib
 from jaxscale import metrics as metrics_lib
 from jaxscale import state as state_lib
@@ -234,8 +234,8 @@ def test_cli_expert_parallel_logs_the_one_device_loss(tmp_path):
     records = {}
     for experts in (1, 4):
         workdir = tmp_path / f"expert{experts}"
-        done = run_cli(["--config=configs/tiny_moe.py", f"--config.mesh.expert={experts}", "--config.mesh.data=-1",
-                        "--config.train.steps=2", "--config.train.eval_every=0", "--config.tracking.writers=jsonl",
+        done = main_cli(["--config=configs/tiny_moe.py", f"--config.mesh.expert={experts}", "--config.mesh.data=-1",
+                        "--config.train.steps=1", "--config.train.eval_every=0", "--config.tracking.writers=jsonl",
                         "--config.tracking.report=False", f"--workdir={workdir}"])
         assert done.returncode == 0, done.stderr[-3000:]
         records[experts] = json.loads((workdir / "metrics.jsonl").read_text().splitlines()[0])

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, main_cli, run_cli
 from jaxscale import config as config_lib
 from jaxscale.plan import advice, compile_plan, make_plan
 
@@ -110,8 +110,8 @@ def test_advice_names_the_biggest_contributor(plans):
 
 
 def test_cli_json_keys():
-    result = run_cli(["--config=configs/tiny.py", "--config.mesh.data=8", "--config.zero_stage=1", "--json"],
-                     module="jaxscale.plan")
+    result = main_cli(["--config=configs/tiny.py", "--config.mesh.data=8", "--config.zero_stage=1", "--json"],
+                      module="jaxscale.plan")
     assert result.returncode == 0, result.stderr[-2000:]
     plan = json.loads(result.stdout)
     for key in ("params", "grads", "opt_state", "temp", "total"):

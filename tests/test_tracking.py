@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import run_cli
+from conftest import main_cli, run_cli
 from jaxscale import report, tracking
 from jaxscale.errors import ConfigError
 from jaxscale.loop import train
@@ -47,10 +47,10 @@ def test_mlflow_store_reads_back_and_a_resumed_run_continues_it(tiny_config, tmp
     args = ["--config=configs/tiny.py", "--config.tracking.writers=jsonl,mlflow", "--config.tracking.report=True",
             f"--workdir={tmp_path}", "--config.train.steps=6", "--config.train.log_every=2",
             "--config.train.eval_every=0"]
-    done = run_cli(args, devices=1)
+    done = main_cli(args)
     assert done.returncode == 0, done.stderr[-2000:]
-    resumed = run_cli([*args[:-3], "--config.train.steps=10", "--config.train.log_every=2",
-                       "--config.train.eval_every=0"], devices=1)
+    resumed = main_cli([*args[:-3], "--config.train.steps=10", "--config.train.log_every=2",
+                        "--config.train.eval_every=0"])
     assert resumed.returncode == 0 and "resuming from step 6" in resumed.stdout, resumed.stderr[-2000:]
     mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")
     runs = mlflow.search_runs(experiment_names=["jaxscale"])

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import FAST_RUN, run_cli
+from conftest import FAST_RUN, main_cli, run_cli
 from jaxscale.loop import train
 
 FIELDS = ("step", "loss", "tokens_per_sec", "step_time_s", "mfu", "grad_norm", "lr", "tokens")
@@ -58,7 +58,7 @@ def test_one_device_gives_same_first_loss(cli_run, one_device_loss):
     (["--config.mesh.data=2", "--config.mesh.sequence=2", "--config.mesh.tensor=2"], "mesh data=2 sequence=2 tensor=2"),
 ], ids=["data_fsdp_tensor_zero1", "sequence4", "data_sequence_tensor"])
 def test_mixed_layout_gives_same_first_loss(one_device_loss, tmp_path, layout, shown):
-    result = run_cli(["--config=configs/tiny.py", "--config.train.steps=1", f"--workdir={tmp_path}", *layout])
+    result = main_cli(["--config=configs/tiny.py", "--config.train.steps=1", f"--workdir={tmp_path}", *layout])
     assert result.returncode == 0, result.stderr[-3000:]
     assert shown in result.stdout
     np.testing.assert_allclose(_records(tmp_path)[0]["loss"], one_device_loss, rtol=1e-5)
@@ -94,8 +94,8 @@ def test_gpt2_with_accumulation_and_remat(tiny_config, tmp_path, family):
 def test_pipeline_cli_gives_unpipelined_first_loss(tmp_path):
     common = ["--config=configs/tiny.py", "--config.train.steps=1", "--config.model.num_layers=4",
               "--config.mesh.data=-1"]
-    flat = run_cli([*common, f"--workdir={tmp_path / 'flat'}"])
-    piped = run_cli([*common, "--config.mesh.pipeline=2", "--config.pipeline.microbatches=4",
+    flat = main_cli([*common, f"--workdir={tmp_path / 'flat'}"])
+    piped = main_cli([*common, "--config.mesh.pipeline=2", "--config.pipeline.microbatches=4",
                      f"--workdir={tmp_path / 'piped'}"])
     assert flat.returncode == 0 and piped.returncode == 0, piped.stderr[-3000:]
     assert "mesh data=4 pipeline=2" in piped.stdout
