@@ -4,7 +4,8 @@
 Compiles the real train step ahead of time for the configured mesh, allocating nothing (on fake
 CPU devices when the target hardware is absent: XLA_FLAGS=--xla_force_host_platform_device_count=N),
 and reports per device: parameter, gradient, optimizer and temporary bytes from the compiled
-program beside the arithmetic for the layout and ZeRO stage, and the collectives per step.
+program beside the arithmetic for the layout and ZeRO stage, and the collectives per step (by
+kind, and by the mesh axes they run over with the bytes each device sends).
 `--topology` compiles for a TPU pod slice with the TPU compiler itself (libtpu's compile-only
 client, on any host) and checks the result against the chips' HBM.
 """
@@ -91,7 +92,7 @@ def make_plan(config, platform: str | None = None, devices=None) -> dict:
     memory, params = compiled.memory_analysis(), run.abstract_state.params
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     n_layers = sum(math.prod(x.shape) for x in jax.tree.leaves(params["layers"]))
-    collectives, _, flops = profile.step_totals(compiled.as_text())
+    totals = profile.step_totals(compiled.as_text())
     per_device = {**compiled_bytes(run, compiled), "temp": memory.temp_size_in_bytes}
     # Peak: live arguments + temporaries + outputs that do not reuse a donated input.
     per_device["total"] = (memory.argument_size_in_bytes + memory.temp_size_in_bytes
@@ -107,17 +108,19 @@ def make_plan(config, platform: str | None = None, devices=None) -> dict:
                                "code": memory.generated_code_size_in_bytes},
             "host_bytes": {"params": shard_bytes(state.params, HOST), "opt_state": shard_bytes(state.opt_state, HOST)},
             "expected_bytes": expected_bytes(n_layers, n_params - n_layers, run.layout, expert_param_count(params)),
-            "collectives": collectives, "flops": _flops(run, flops, config),
+            "collectives": totals.collectives, "collectives_by_axis": totals.by_axis(run.layout.mesh.shape),
+            "flops": _flops(run, None if totals.convolutions else totals.dot_flops, config),
             "notes": list(run.notes)}
 
 
-def _flops(run, compiled_flops: int, config) -> dict:
+def _flops(run, compiled_flops: int | None, config) -> dict:
     """Matmul FLOPs per device per step: the compiled program's (loops multiplied, remat's
     recompute included) beside the PaLM formula's share of one device; their ratio shows
-    recomputation and work repeated across devices."""
+    recomputation and work repeated across devices. None where the program writes its matmuls
+    as convolutions (the TPU compiler), which the count does not read."""
     formula = run.flops_per_token * config.train.global_batch_size * config.train.seq_len / run.layout.mesh.size
     return {"compiled_per_device": compiled_flops, "formula_per_device": formula,
-            "ratio": compiled_flops / formula if formula else None}
+            "ratio": compiled_flops / formula if formula and compiled_flops is not None else None}
 
 
 def advice(plan: dict, config, limit_bytes: float) -> list[str]:
@@ -172,10 +175,22 @@ def table(plan: dict) -> str:
         rows.append(f"{'fits' if plan['fits'] else 'does not fit'}: {_size(plan['per_device_bytes']['total'])} of "
                     f"{_size(plan['memory_limit_bytes'])} per device ({where})")
     flops = plan["flops"]
-    rows.append(f"matmul FLOPs per device per step: {flops['compiled_per_device'] / 1e12:,.3f} T compiled, "
-                f"{flops['formula_per_device'] / 1e12:,.3f} T by the formula (ratio {flops['ratio']:.2f})")
+    compiled = ("not read (the program's matmuls are convolutions)" if flops["ratio"] is None else
+                f"{flops['compiled_per_device'] / 1e12:,.3f} T compiled")
+    rows.append(f"matmul FLOPs per device per step: {compiled}, {flops['formula_per_device'] / 1e12:,.3f} T by the "
+                "formula" + ("" if flops["ratio"] is None else f" (ratio {flops['ratio']:.2f})"))
     rows.append("collectives per step:\n" + profile.summarize(plan["collectives"]))
+    rows.append(_by_axis_table(plan["collectives_by_axis"]))
     rows += [f"note: {note}" for note in plan.get("notes", [])]
+    return "\n".join(rows)
+
+
+def _by_axis_table(by_axis: dict) -> str:
+    """The collectives by the mesh axes they run over, with what each device sends."""
+    rows = [f"{'collective':<20}{'over':<20}{'count':>8}{'MiB sent':>14}"]
+    for kind, over in by_axis.items():
+        rows += [f"{kind:<20}{axes:<20}{row['count']:>8}{row['sent_bytes'] / 2**20:>14.3f}"
+                 for axes, row in over.items()]
     return "\n".join(rows)
 
 

@@ -25,6 +25,8 @@ Counting rules (the contract every function here follows):
   the HLO text cannot say which branch is taken.
 * Async collectives count once, at their ``-start``; ``-done`` is skipped.
 * Bytes are those of the collective's result buffers on one device, summed.
+* `step_totals` also keeps each collective's device groups (`jaxscale.device_groups` reads
+  which mesh axes they span); a fused reduce-scatter takes its inner all-reduce's groups.
 * `dot_flops` counts 2 x (result elements) x (contracted elements) per ``dot``,
   under the same rules: a layer loop's matmuls count once per layer, and
   rematerialised ones again (XLA's own cost analysis counts a loop body once).
@@ -37,9 +39,12 @@ import math
 import re
 from collections.abc import Iterator, Mapping
 
+from jaxscale import device_groups
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
 Stats = dict[str, dict[str, int]]
+_AT = "@"  # a collective's key in a computation's totals: kind@device-groups
 
 # Quoted strings (metadata, backend_config JSON) and /*index=N*/ comments: both can
 # hold text that looks like shapes, opcodes or callee attributes.
@@ -97,26 +102,53 @@ def collective_stats_detail(hlo_text: str) -> tuple[Stats, int]:
     Each such loop was counted as running once, so a non-zero second value means
     the first is a lower bound for what those loops contain.
     """
-    stats, unknown, _ = step_totals(hlo_text)
-    return stats, unknown
+    totals = step_totals(hlo_text)
+    return totals.collectives, totals.unknown_loops
 
 
-def step_totals(hlo_text: str) -> tuple[Stats, int, int]:
-    """(`collective_stats`, loops with no provable trip count, `dot_flops`) from one parse."""
+@dataclasses.dataclass(frozen=True)
+class StepTotals:
+    """What one call of a compiled program runs on one device, from one parse of its HLO."""
+
+    collectives: Stats      # as `collective_stats`
+    unknown_loops: int      # loops with no provable trip count (counted once)
+    dot_flops: int          # as `dot_flops`
+    convolutions: int       # convolutions run (the TPU compiler writes matmuls as these; not in dot_flops)
+    by_groups: dict[tuple[str, str], list[int]]  # (kind, device-group spec) -> [count, bytes]
+
+    def by_axis(self, mesh_shape: Mapping[str, int]) -> dict[str, dict[str, dict[str, float]]]:
+        """{kind: {mesh axes: {"count", "bytes", "sent_bytes"}}}: the collectives by the mesh axes
+        they run over ("data", "data+fsdp", ...; see `jaxscale.device_groups`), with the bytes each
+        device sends for them."""
+        devices, table = math.prod(mesh_shape.values()), {}
+        for (kind, spec), (count, nbytes) in sorted(self.by_groups.items()):
+            row = table.setdefault(kind, {}).setdefault(device_groups.axes(spec, mesh_shape),
+                                                        {"count": 0, "bytes": 0, "sent_bytes": 0.0})
+            row["count"] += count
+            row["bytes"] += nbytes
+            row["sent_bytes"] += device_groups.sent_bytes(kind, nbytes, device_groups.group_size(spec, devices))
+        return table
+
+
+def step_totals(hlo_text: str) -> StepTotals:
+    """Collectives (by kind and by device groups), unknown loops and matmul FLOPs from one parse."""
     computations, entry = _parse_module(hlo_text)
     memo: dict[str, dict[str, list[int]]] = {}
     totals = _totals(entry, computations, memo, set())
     # memo holds exactly the computations reachable from ENTRY.
     unknown = sum(computations[name].unknown_loops for name in memo)
-    stats = {kind: {"count": totals.get(kind, [0, 0])[0], "bytes": totals.get(kind, [0, 0])[1]}
-             for kind in COLLECTIVES}
-    return stats, unknown, totals.get("dot", [0, 0])[1]
+    by_groups = {tuple(key.split(_AT, 1)): acc for key, acc in totals.items() if _AT in key}
+    stats = {kind: {"count": 0, "bytes": 0} for kind in COLLECTIVES}
+    for (kind, _), (count, nbytes) in by_groups.items():
+        stats[kind]["count"] += count
+        stats[kind]["bytes"] += nbytes
+    return StepTotals(stats, unknown, totals.get("dot", [0, 0])[1], totals.get("convolution", [0, 0])[0], by_groups)
 
 
 def dot_flops(hlo_text: str) -> int:
     """FLOPs of every matrix multiply one call of the program runs on one device (see the
     module docstring); loops with no provable trip count count once."""
-    return step_totals(hlo_text)[2]
+    return step_totals(hlo_text).dot_flops
 
 
 def summarize(stats: Mapping[str, Mapping[str, int]]) -> str:
@@ -147,7 +179,7 @@ def _parse_module(hlo_text: str) -> tuple[dict[str, _Computation], str]:
             # "}" at column 0 closes it, possibly followed by `, execution_thread="..."`.
             current = None
         else:
-            _parse_instruction(line, current)
+            _parse_instruction(line, current, computations)
     if entry is None:
         raise ValueError("no ENTRY computation found in the HLO text")
     for computation in computations.values():
@@ -176,7 +208,7 @@ def _header(line: str) -> tuple[bool, str] | None:
     return (bool(match.group(1)), match.group(2)) if match else None
 
 
-def _parse_instruction(line: str, computation: _Computation) -> None:
+def _parse_instruction(line: str, computation: _Computation, computations: dict[str, _Computation]) -> None:
     """Record `line`'s collective, or the computations it calls, into `computation`."""
     code = _STRING_OR_COMMENT.sub(lambda m: '""' if m.group().startswith('"') else "", line)
     head = _INSTRUCTION.match(code)
@@ -192,14 +224,17 @@ def _parse_instruction(line: str, computation: _Computation) -> None:
     if opcode == "dot":
         computation.add("dot", _dot_flops(shape, rest, computation.shapes))
         return
+    if opcode == "convolution":
+        computation.add("convolution", 0)
+        return
     kind = opcode.removesuffix("-start")
     if opcode == "fusion" and _FUSED_REDUCE_SCATTER.search(rest):
-        computation.add("reduce-scatter", _result_bytes(opcode, shape))
+        computation.add("reduce-scatter" + _AT + _fused_groups(rest, computations), _result_bytes(opcode, shape))
         return
     if kind in COLLECTIVES:
         # Callees of a collective are reduction lambdas, or (for async wrappers)
         # the same collective again: following them would double count.
-        computation.add(kind, _result_bytes(opcode, shape))
+        computation.add(kind + _AT + device_groups.spec(rest), _result_bytes(opcode, shape))
         return
     if opcode.endswith(("-done", "-update")):
         return  # the matching -start already accounted for the work
@@ -210,6 +245,14 @@ def _parse_instruction(line: str, computation: _Computation) -> None:
                                   _CALLEE_NAME.findall(callees["condition"])[0]))
         return
     computation.calls.extend(_callees(rest, trip))
+
+
+def _fused_groups(rest: str, computations: dict[str, _Computation]) -> str:
+    """The device groups of the all-reduce inside a fused reduce-scatter (HLO text defines a
+    callee before its callers); "" when it cannot be found."""
+    callee = computations.get(_CALLEE_NAME.findall(dict(_CALLEE_ATTR.findall(rest))["calls"])[0])
+    keys = [key for key in (callee.own if callee else {}) if key.startswith("all-reduce" + _AT)]
+    return keys[0].split(_AT, 1)[1] if keys else ""
 
 
 def _dot_flops(shape: str, rest: str, shapes: dict[str, str]) -> int:

@@ -82,6 +82,12 @@ def initial_state(model, tx, layout, key):
     return jax.device_put(_INITIAL_STATES[key], shardings), shardings
 
 
+def sent_by_axis(plan: dict) -> dict[tuple[str, str], float]:
+    """A plan's collectives as {(kind, mesh axes): bytes each device sends per step}."""
+    return {(kind, axes): row["sent_bytes"] for kind, over in plan["collectives_by_axis"].items()
+            for axes, row in over.items()}
+
+
 def cli_env(devices: int = 8, flags: str = FAST_COMPILE) -> dict:
     """The environment of a fresh jaxscale process with `devices` fake CPU devices, compiling with
     XLA `flags`: FAST_RUN for a run of tens of steps (tiny.py, 50 steps on 8 devices: 20 s wall,

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from conftest import ROOT, main_cli, run_cli
+from conftest import ROOT, main_cli, run_cli, sent_by_axis
 from jaxscale import config as config_lib
 from jaxscale.plan import advice, compile_plan, make_plan
 
@@ -89,6 +89,41 @@ def test_zero_stages_move_collectives(plans):
     assert dp["all-gather"]["count"] == 0
     assert fsdp["all-gather"]["bytes"] >= 0.95 * gradient_bytes  # every parameter gathered whole before use
     assert plans["zero3"]["collectives"]["all-gather"]["bytes"] >= 0.95 * gradient_bytes
+
+
+# What each layout sends per step: the collectives spec. tiny.py on 8 CPU devices; W is the fp32
+# gradient (or parameter) bytes of every parameter, T the tied embedding's second gradient term
+# (the lookup's and the output head's are reduced before they are summed: vocab x d_model x 4).
+# Each row: (collective, the mesh axes it runs over) -> the bytes each device sends per step, by
+# ring arithmetic (all-reduce 2(n-1)/n S, all-gather (n-1)/n S, reduce-scatter (n-1)/n S of the
+# S reduced). XLA:CPU has no reduce-scatter: it reduces the whole gradient with an all-reduce
+# and keeps its slice (twice the bytes); those rows name the form CPU gets ("RS as all-reduce").
+# A layout's compiled step has exactly these rows, and each within 10% of its formula.
+COLLECTIVES_SPEC = {
+    "data8": {("all-reduce", "data"): lambda w, t: 2 * 7 / 8 * (w + t)},         # the gradient, once
+    "zero1": {("all-reduce", "data"): lambda w, t: 2 * 7 / 8 * (w + t),          # the gradient, once
+              ("all-gather", "data"): lambda w, t: 7 / 8 * w},                   # the updated parameters
+    "zero2_accum4": {("all-reduce", "data"): lambda w, t: 4 * 2 * 7 / 8 * (w + t),  # RS as all-reduce, per microbatch
+                     ("all-gather", "data"): lambda w, t: 7 / 8 * w},
+    "zero3": {("all-gather", "data"): lambda w, t: 2 * 7 / 8 * w,                # forward and backward
+              ("all-reduce", "data"): lambda w, t: 2 * 7 / 8 * (w + t)},         # RS as all-reduce
+    "fsdp8": {("all-gather", "fsdp"): lambda w, t: 2 * 7 / 8 * w,                # forward and backward
+              ("all-reduce", "fsdp"): lambda w, t: 2 * 7 / 8 * (w + t)},         # RS as all-reduce
+    "data2_fsdp4": {("all-gather", "fsdp"): lambda w, t: 2 * 3 / 4 * w,
+                    ("all-reduce", "fsdp"): lambda w, t: 2 * 3 / 4 * w,          # RS as all-reduce
+                    ("all-reduce", "data"): lambda w, t: 2 * 1 / 2 * w / 4,      # each fsdp quarter over data
+                    ("all-reduce", "data+fsdp"): lambda w, t: 2 * 7 / 8 * t},    # the tied term, everywhere
+}
+
+
+@pytest.mark.parametrize("name", list(COLLECTIVES_SPEC))
+def test_each_layout_sends_what_the_spec_says_over_the_axes_it_names(plans, name):
+    plan = plans[name]
+    w, t = 4 * plan["num_params"], 4 * 256 * 128
+    sent = sent_by_axis(plan)
+    assert set(sent) == set(COLLECTIVES_SPEC[name])  # over the axes it should, and no others
+    for key, formula in COLLECTIVES_SPEC[name].items():
+        assert sent[key] == pytest.approx(formula(w, t), rel=0.10), key
 
 
 def test_tensor_parallel_never_holds_the_whole_table_or_vocabulary():
