@@ -10,7 +10,7 @@ row-major order, so id i sits at `numpy.unravel_index(i, mesh shape)`):
                                                                 over named axes of a device array
     source_target_pairs={{0,1},{1,0}}                           collective-permute
 
-`axes(text, mesh_shape)` names the mesh axes along which a group's members differ. Bytes sent
+`describe(text, mesh_shape)` names the mesh axes along which a group's members differ. Bytes sent
 per device, from the result bytes R and the group size n (ring algorithms, as nccl-tests count):
 all-reduce 2(n-1)/n R, all-gather and all-to-all (n-1)/n R, reduce-scatter (n-1) R (its result
 is 1/n of what is reduced), collective-permute R when the device sends to another.
@@ -82,29 +82,23 @@ def groups(text: str, devices: int) -> list[list[int]]:
     raise ValueError(f"unreadable device groups {text!r}")
 
 
-def axes(text: str, mesh_shape: Mapping[str, int]) -> str:
-    """The mesh axes the collective runs over, joined by "+" in mesh order; NONE or UNKNOWN."""
+def describe(text: str, mesh_shape: Mapping[str, int]) -> tuple[str, int]:
+    """(the mesh axes the collective runs over, joined by "+" in mesh order, or NONE or UNKNOWN;
+    devices per group: 2 for a permute that moves data, 1 when nothing leaves a device)."""
     names, shape = list(mesh_shape), tuple(mesh_shape.values())
     try:
         found = groups(text, int(np.prod(shape)))
     except ValueError:
-        return UNKNOWN
+        return UNKNOWN, int(np.prod(shape))
     varying = set()
     for group in found:
         coords = np.array(np.unravel_index(np.array(group), shape)).T
         varying.update(i for i in range(len(names)) if len(set(coords[:, i])) > 1)
-    return "+".join(names[i] for i in sorted(varying)) or NONE
-
-
-def group_size(text: str, devices: int) -> int:
-    """Devices per group (2 for a permute that moves data; 1 when nothing leaves a device)."""
-    try:
-        found = groups(text, devices)
-    except ValueError:
-        return devices
     if text.startswith("source_target_pairs"):
-        return 2 if any(a != b for a, b in found) else 1
-    return max(len(g) for g in found)
+        size = 2 if any(a != b for a, b in found) else 1
+    else:
+        size = max(len(g) for g in found)
+    return "+".join(names[i] for i in sorted(varying)) or NONE, size
 
 
 def sent_bytes(kind: str, result_bytes: int, n: int) -> float:

@@ -175,7 +175,7 @@ def table(plan: dict) -> str:
         rows.append(f"{'fits' if plan['fits'] else 'does not fit'}: {_size(plan['per_device_bytes']['total'])} of "
                     f"{_size(plan['memory_limit_bytes'])} per device ({where})")
     flops = plan["flops"]
-    compiled = ("not read (the program's matmuls are convolutions)" if flops["ratio"] is None else
+    compiled = ("not read (the program's matmuls are convolutions)" if flops["compiled_per_device"] is None else
                 f"{flops['compiled_per_device'] / 1e12:,.3f} T compiled")
     rows.append(f"matmul FLOPs per device per step: {compiled}, {flops['formula_per_device'] / 1e12:,.3f} T by the "
                 "formula" + ("" if flops["ratio"] is None else f" (ratio {flops['ratio']:.2f})"))

@@ -120,13 +120,13 @@ class StepTotals:
         """{kind: {mesh axes: {"count", "bytes", "sent_bytes"}}}: the collectives by the mesh axes
         they run over ("data", "data+fsdp", ...; see `jaxscale.device_groups`), with the bytes each
         device sends for them."""
-        devices, table = math.prod(mesh_shape.values()), {}
+        table = {}
         for (kind, spec), (count, nbytes) in sorted(self.by_groups.items()):
-            row = table.setdefault(kind, {}).setdefault(device_groups.axes(spec, mesh_shape),
-                                                        {"count": 0, "bytes": 0, "sent_bytes": 0.0})
+            axes, size = device_groups.describe(spec, mesh_shape)
+            row = table.setdefault(kind, {}).setdefault(axes, {"count": 0, "bytes": 0, "sent_bytes": 0.0})
             row["count"] += count
             row["bytes"] += nbytes
-            row["sent_bytes"] += device_groups.sent_bytes(kind, nbytes, device_groups.group_size(spec, devices))
+            row["sent_bytes"] += device_groups.sent_bytes(kind, nbytes, size)
         return table
 
 
