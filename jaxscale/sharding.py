@@ -104,6 +104,19 @@ def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(context, spec))
 
 
+def split_axes(name: str) -> tuple[str, ...]:
+    """The mesh axes the active layout splits logical axis `name` over, leaving out the manual
+    axes of an enclosing shard_map; () outside Layout.activate()."""
+    layout = _ACTIVE.get()
+    if layout is None:
+        return ()
+    context = jax.sharding.get_abstract_mesh()
+    manual = context.manual_axes if not context.empty else ()
+    entry = layout.inside(*manual).spec((name,))
+    entry = entry[0] if entry else None
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def tree_specs(layout: Layout, axes_tree):
     """PartitionSpecs for a tree whose leaves are tuples of logical names; errors name the path."""
     def one(path, names):

@@ -137,7 +137,11 @@ class Transformer(nnx.Module):
         # gathered first, as FSDP gathers any weight: left split both ways, the partitioner
         # cannot serve batch rows split over fsdp and fully rematerialises the lookup (it warns,
         # on fsdp x tensor and pipeline layouts). tests/test_plan.py checks the compiled step.
-        x_BLD = jnp.take(constrain(self.embed[...], ("vocab", None)), tokens_BL, axis=0)
+        # The token ids are whole over `tensor` (INNER's split): given ids split along the length
+        # over tensor (the batch's sequence-parallel layout), the partitioner gathered the whole
+        # table instead (measured on the TPU compiler).
+        tokens_BL = constrain(tokens_BL, INNER[:2])
+        x_BLD = constrain(jnp.take(constrain(self.embed[...], ("vocab", None)), tokens_BL, axis=0), INNER)
         if self.spec.family == "gpt2":
             x_BLD = x_BLD + jnp.take(self.pos_embed[...], positions_BL, axis=0)
         x_BLD = constrain(x_BLD, RESIDUAL)
@@ -280,6 +284,9 @@ class LanguageModel:
             inputs_BL, targets_BL = inputs_BL[:, order], targets_BL[:, order]
             positions_BL = jnp.broadcast_to(jnp.asarray(order, jnp.int32), inputs_BL.shape)
         logits_BLV, stats = self.apply_with_stats(params, inputs_BL, positions_BL)
+        # Targets placed as the logits' rows (whole over `tensor`, as the lookup's ids), so picking
+        # each target's logit stays local to the vocabulary split that holds it.
+        targets_BL = constrain(targets_BL, INNER[:2])
         loss = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
         return (loss + self.router_loss(stats) if stats else loss), {"loss": loss, **stats}
 

@@ -2,6 +2,8 @@
 
 import jax
 
+from jaxscale import sharding
+
 
 def current_mesh(mesh):
     """The mesh a shard_map should name here: inside another shard_map (gradient accumulation
@@ -13,3 +15,10 @@ def current_mesh(mesh):
 def constrain(x, spec, mesh):
     """with_sharding_constraint to `spec` on `mesh`, stated on the context mesh inside shard_map."""
     return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(current_mesh(mesh), spec))
+
+
+def batch_axes(*besides: str) -> tuple[str, ...]:
+    """The mesh axes the active layout splits the batch over, less those already manual here and
+    `besides`: the axes a shard_map over rows makes manual too, so that what each row needs
+    stays on its device and gradients of what it shares are summed once, at the map's edge."""
+    return tuple(a for a in sharding.split_axes("batch") if a not in besides)
