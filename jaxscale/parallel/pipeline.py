@@ -6,7 +6,8 @@ shard_map over `pipeline` (and the batch's axes, see `_over_stages`), M microbat
 through the P stages in M+P-1 ticks: at each tick every stage runs its layers on what it holds
 and passes the result to the next stage with a collective permute. The first stage takes
 microbatch t at tick t; the last stage's outputs are collected and summed over the axis (only
-it contributes), so every stage continues with the same activations. Bubble: (P-1)/(M+P-1) of the ticks do no useful work.
+it contributes), so every stage continues with the same activations. Bubble: (P-1)/(M+P-1) of
+the ticks do no useful work.
 """
 
 from __future__ import annotations
