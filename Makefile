@@ -27,8 +27,14 @@ $(RUNTIME_STAMP): pyproject.toml | $(BIN)/python
 	touch $@
 
 # .[test] includes the runtime dependencies, so it renews the runtime stamp too.
+# JAX's CUDA plugin (for plans compiled by the GPU compiler: tests/test_gpu_topology.py) goes in a
+# folder of its own, put on PYTHONPATH by the one test that uses it: installed in the venv, it makes
+# every JAX process print CUDA driver messages on stderr on a host without a GPU.
+GPU_PLAN := $(VENV)/gpu-plan
 $(TEST_STAMP): pyproject.toml | $(BIN)/python
 	$(PIP_INSTALL) -e ".[test]"
+	v=$$($(BIN)/python -c 'import jax; print(jax.__version__)') && \
+	  $(PIP_INSTALL) --no-deps --upgrade --target $(GPU_PLAN) jax-cuda12-plugin==$$v jax-cuda12-pjrt==$$v
 	touch $@ $(RUNTIME_STAMP)
 
 train: $(RUNTIME_STAMP)

@@ -125,7 +125,8 @@ def _model(config, platform: str, layout: Layout) -> tuple[LanguageModel, list[s
     here = jax.default_backend()
     if model.spec.attention_impl == "cudnn" and here != "gpu":
         model, _ = model_from_config(config, here, layout)
-        notes = [f"attention: planned with the xla kernel ({here} cannot compile cuDNN's); on the GPU cuDNN flash "
+        notes = [f"attention: planned with the xla kernel (cuDNN's does not compile on this {here} host, "
+                 "not even for compile-only GPUs: it needs the cuDNN library); on the GPU cuDNN flash "
                  "attention runs instead and needs less temporary memory (no L x L score matrix)"]
     return model, notes
 

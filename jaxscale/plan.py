@@ -7,7 +7,8 @@ and reports per device: parameter, gradient, optimizer and temporary bytes from 
 program beside the arithmetic for the layout and ZeRO stage, and the collectives per step (by
 kind, and by the mesh axes they run over with the bytes each device sends).
 `--topology` compiles for a TPU pod slice with the TPU compiler itself (libtpu's compile-only
-client, on any host) and checks the result against the chips' HBM.
+client, on any host), or for H100/H200 hosts with XLA's GPU compiler (the CUDA plugin against a
+described target, on any host), and checks the result against the devices' memory.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from jaxscale.sharding import Layout
 from jaxscale.step import jit_grad_step
 
 USAGE = ("usage: python -m jaxscale.plan --config=PATH [--config.section.key=value ...] [--json] "
-         "[--device_memory_gb=GB] [--platform=cpu|gpu|tpu | --topology=v5p-256|v5e-256|v6e-256|v4-128|2xv5e-256]")
+         "[--device_memory_gb=GB] [--platform=cpu|gpu|tpu "
+         "| --topology=v5p-256|v5e-256|v6e-256|v4-128|2xv5e-256|h100-8|h200-16]")
 GIB = 2**30
 
 
@@ -153,7 +155,8 @@ def table(plan: dict) -> str:
     mesh = " ".join(f"{k}={v}" for k, v in plan["mesh"].items() if v > 1) or "1 device"
     if "topology" in plan:
         pod = plan["topology"]
-        mesh += f" on {pod['name']} ({pod['devices']} x {pod['device_kind']}, compiled by the TPU compiler)"
+        compiler = "TPU" if plan["platform"] == "tpu" else "GPU"
+        mesh += f" on {pod['name']} ({pod['devices']} x {pod['device_kind']}, compiled by the {compiler} compiler)"
     rows = [f"plan: {plan['num_params'] / 1e6:,.1f}M params | mesh {mesh} | zero_stage={plan['zero_stage']} | "
             f"compute {plan['compute_dtype']} on {plan['platform']} | compiled in {plan['compile_s']}s",
             f"{'per device':<12}{'compiled':>14}{'arithmetic':>14}"]
@@ -205,14 +208,15 @@ def _target(flags: dict) -> tuple[str | None, list | None, float | None, dict]:
     """(platform, devices, memory limit per device, topology summary) the flags ask to plan for."""
     if not flags.get("topology"):
         return flags.get("platform"), None, _device_limit(flags.get("device_memory_gb")), {}
-    if flags.get("platform") not in (None, "tpu"):
-        raise ConfigError("--platform", flags["platform"], "--topology plans for tpu; drop one of the two")
+    platform = topology.parse(flags["topology"]).platform
+    if flags.get("platform") not in (None, platform):
+        raise ConfigError("--platform", flags["platform"], f"--topology plans for {platform}; drop one of the two")
     devices, pod = topology.compile_only_devices(flags["topology"])
     # The compile-only client compiles but cannot load executables: a persistent cache would
     # store them and then fail (a warning) to read them back.
     jax.config.update("jax_enable_compilation_cache", False)
     limit = flags["device_memory_gb"] * GIB if flags.get("device_memory_gb") else topology.hbm_per_device(pod, devices)
-    return "tpu", devices, limit, {"name": pod.name, "slices": pod.slices, "chips_per_slice": pod.chips,
+    return platform, devices, limit, {"name": pod.name, "slices": pod.slices, "chips_per_slice": pod.chips,
                                    "devices": len(devices), "device_kind": devices[0].device_kind}
 
 

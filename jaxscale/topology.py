@@ -1,12 +1,16 @@
-"""TPU pod slices by their Cloud TPU names, as devices to compile for on any host.
+"""TPU pod slices by their Cloud TPU names, and NVIDIA GPU hosts, as devices to compile for on
+any host.
 
     devices, pod = topology.compile_only_devices("v5p-256")   # 128 chips, nothing allocated
+    devices, pod = topology.compile_only_devices("h100-16")   # two hosts of 8 H100s
 
 JAX's TPU compile-only client (libtpu, `pip install 'jaxscale[tpu]'`) describes a topology's
 devices without owning them, so the real train step compiles for a pod on a laptop, and its
 memory and collectives come from the TPU compiler. Names follow Cloud TPU: `v4-N` and `v5p-N`
 count TensorCores (2 per chip), `v5e-N` and `v6e-N` chips; `KxNAME` is K slices joined over the
-data-center network (mesh_dcn).
+data-center network (mesh_dcn). GPUs (`h100-N`, `h200-N`: N GPUs, 8 a host) come from JAX's
+CUDA plugin compiling against a described target (`jaxscale.gpu_targets`; `pip install
+'jaxscale[gpu-plan]'`), which needs no GPU either.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import re
 
 from jaxscale.errors import ConfigError
+from jaxscale.gpu_targets import GPUS, GPUS_PER_HOST
 
 GIB = 2**30
 # generation -> (libtpu's name, TensorCores counted per chip in the slice name, HBM GiB per chip, 3D torus)
@@ -26,12 +31,14 @@ SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128:
 SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
              512: "8x8x8", 1024: "8x8x16", 2048: "8x16x16", 4096: "16x16x16"}
 _NAME = re.compile(r"(?:(\d+)x)?(v4|v5p|v5e|v6e)-(\d+)")
+_GPU_NAME = re.compile(r"(h100|h200)-(\d+)")
 FIELD = "--topology"
 
 
 @dataclasses.dataclass(frozen=True)
 class Pod:
-    """A named TPU pod: `slices` slices of `chips` chips each, in `shape`."""
+    """A named TPU pod: `slices` slices of `chips` chips each, in `shape`; or GPUs (`platform`
+    "gpu"): `chips` GPUs in one slice, `shape` as the CUDA plugin names it ("1xHOSTSxGPUS")."""
 
     name: str
     generation: str
@@ -39,6 +46,7 @@ class Pod:
     slices: int
     shape: str             # per slice, as libtpu names it: "4x4x8"
     hbm_per_chip: int      # bytes
+    platform: str = "tpu"
 
     @property
     def libtpu_name(self) -> str:
@@ -52,11 +60,15 @@ class Pod:
 
 
 def parse(name: str) -> Pod:
-    """The pod a Cloud TPU slice name describes; ConfigError naming --topology otherwise."""
+    """The pod a Cloud TPU slice name (or h100-N, h200-N) describes; ConfigError naming
+    --topology otherwise."""
+    gpus = _GPU_NAME.fullmatch(name.strip().lower())
+    if gpus:
+        return _gpu_pod(name, gpus.group(1), int(gpus.group(2)))
     match = _NAME.fullmatch(name.strip().lower())
     if not match:
         raise ConfigError(FIELD, name, "expected a Cloud TPU slice such as v5p-256, v5e-256, v6e-256, v4-128 "
-                                       "or 2xv5e-256 (two slices)")
+                                       "or 2xv5e-256 (two slices), or GPUs such as h100-8 or h200-16")
     slices, generation, count = int(match.group(1) or 1), match.group(2), int(match.group(3))
     _, cores_per_chip, hbm_gib, torus = GENERATIONS[generation]
     shapes = SHAPES_3D if torus else SHAPES_2D
@@ -67,9 +79,33 @@ def parse(name: str) -> Pod:
     return Pod(name, generation, chips, slices, shapes[chips], hbm_gib * GIB)
 
 
+def _gpu_pod(name: str, generation: str, count: int) -> Pod:
+    if count < 1 or (count > GPUS_PER_HOST and count % GPUS_PER_HOST):
+        raise ConfigError(FIELD, name, f"{generation}-N counts GPUs, {GPUS_PER_HOST} a host: use up to "
+                                       f"{GPUS_PER_HOST}, or a multiple of {GPUS_PER_HOST}")
+    hosts, per_host = max(1, count // GPUS_PER_HOST), min(count, GPUS_PER_HOST)
+    return Pod(name, generation, count, 1, f"1x{hosts}x{per_host}", GPUS[generation].memory_bytes, "gpu")
+
+
+def _gpu_devices(pod: Pod) -> list:
+    try:
+        from jax.experimental import topologies
+
+        target = GPUS[pod.generation].target_config()
+        return list(topologies.get_topology_desc(pod.generation, "cuda", target_config=target,
+                                                 topology=pod.shape).devices)
+    except (ImportError, RuntimeError, NotImplementedError) as error:
+        raise ConfigError(FIELD, pod.name, "compiling for GPUs on this host needs JAX's CUDA plugin: "
+                                           "pip install 'jaxscale[gpu-plan]' "
+                                           f"({str(error).splitlines()[0][:120]})") from None
+
+
 def compile_only_devices(name: str) -> tuple[list, Pod]:
-    """(devices to compile for, the pod) of a named slice; nothing is allocated. Needs libtpu."""
+    """(devices to compile for, the pod) of a named slice; nothing is allocated. Needs libtpu
+    (TPUs) or JAX's CUDA plugin (GPUs)."""
     pod = parse(name)
+    if pod.platform == "gpu":
+        return _gpu_devices(pod), pod
     # libtpu reads these when it starts; off a TPU VM it would guess them and print warnings.
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", pod.accelerator_type)

@@ -104,11 +104,12 @@ def _command(module: str, args) -> list[str]:
 
 
 def run_cli(args, devices: int = 8, cwd=ROOT, timeout: int = 300, module: str = "jaxscale.train",
-            flags: str = FAST_COMPILE):
-    """Run `python -m MODULE ARGS` in a fresh process with `devices` fake CPU devices."""
+            flags: str = FAST_COMPILE, env: dict | None = None):
+    """Run `python -m MODULE ARGS` in a fresh process with `devices` fake CPU devices (and `env`
+    over the environment)."""
     import subprocess
 
-    return subprocess.run(_command(module, args), cwd=cwd, env=cli_env(devices, flags),
+    return subprocess.run(_command(module, args), cwd=cwd, env={**cli_env(devices, flags), **(env or {})},
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -1,0 +1,53 @@
+"""Plans for NVIDIA GPU hosts, compiled by XLA's GPU compiler on this CPU host (JAX's CUDA plugin
+against a described target: jaxscale.gpu_targets), and GPU topology names."""
+
+import json
+
+import pytest
+
+from conftest import ROOT, run_cli
+from jaxscale import cli, topology
+from jaxscale.errors import ConfigError
+from jaxscale.gpu_targets import GPUS
+from sends import Sizes, assert_sends
+
+
+@pytest.mark.parametrize("name, gpus, shape", [("h100-8", 8, "1x1x8"), ("h100-2", 2, "1x1x2"),
+                                               ("h200-16", 16, "1x2x8"), ("H100-64", 64, "1x8x8")])
+def test_gpu_names(name, gpus, shape):
+    pod = topology.parse(name)
+    assert (pod.platform, pod.chips, pod.slices, pod.shape) == ("gpu", gpus, 1, shape)
+    assert pod.hbm_per_chip == GPUS[pod.generation].memory_bytes
+
+
+@pytest.mark.parametrize("name, words", [("h100-12", "a multiple of 8"), ("a100-8", "GPUs such as h100-8")])
+def test_a_bad_gpu_name_names_the_flag(name, words):
+    with pytest.raises(ConfigError) as info:
+        topology.parse(name)
+    assert info.value.field == "--topology" and words in str(info.value)
+
+
+# `make test` installs JAX's CUDA plugin here, outside the venv's site-packages (see the Makefile).
+GPU_PLAN = ROOT / ".venv" / "gpu-plan"
+
+
+def test_zero2_on_eight_h100s_reduce_scatters_its_gradients():
+    """The GPU compiler emits the reduce-scatter XLA:CPU cannot (measured: 0.875 W, the formula
+    exactly), and the plan says whether it fits in an H100's memory."""
+    if not (GPU_PLAN / "jax_plugins" / "xla_cuda12").is_dir():
+        pytest.skip(f"compiling for GPUs needs JAX's CUDA plugin in {GPU_PLAN} (make test installs it)")
+    overrides = ["mesh.data=8", "zero_stage=2", "model.dtype='float32'"]
+    args = ["--config=configs/tiny.py", *(f"--config.{o}" for o in overrides), "--topology=h100-8", "--json"]
+    result = run_cli(args, module="jaxscale.plan", env={"PYTHONPATH": str(GPU_PLAN)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    plan = json.loads(result.stdout)
+    assert plan["platform"] == "gpu" and plan["topology"]["device_kind"] == "NVIDIA H100 80GB HBM3"
+    assert plan["memory_limit_bytes"] == GPUS["h100"].memory_bytes and plan["fits"] is True
+    config = cli.load_config(str(ROOT / "configs" / "tiny.py"), overrides)
+    spec = {("reduce-scatter", "data"): lambda s: 7 / 8 * s.w, ("all-gather", "data"): lambda s: 7 / 8 * s.w}
+    assert_sends(plan, spec, Sizes.of(config, plan))
+
+
+def test_without_the_cuda_plugin_the_error_says_what_to_install():
+    result = run_cli(["--config=configs/tiny.py", "--topology=h100-8"], module="jaxscale.plan")
+    assert result.returncode == 2 and "jaxscale[gpu-plan]" in result.stderr and len(result.stderr.splitlines()) == 1
