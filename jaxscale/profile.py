@@ -23,6 +23,7 @@ Counting rules (the contract every function here follows):
   ``false_computation=`` and ``called_computations=`` callees run once per run of
   their caller. Every branch of a conditional is counted: an upper bound, since
   the HLO text cannot say which branch is taken.
+* An instruction whose attributes break over lines (a Pallas kernel's metadata) is one line.
 * Async collectives count once, at their ``-start``; ``-done`` is skipped.
 * Bytes are those of the collective's result buffers on one device, summed.
 * `step_totals` also keeps each collective's device groups (`jaxscale.device_groups` reads
@@ -168,7 +169,7 @@ def _parse_module(hlo_text: str) -> tuple[dict[str, _Computation], str]:
     computations: dict[str, _Computation] = {}
     entry: str | None = None
     current: _Computation | None = None
-    for line in hlo_text.splitlines():
+    for line in _logical_lines(hlo_text):
         if current is None:
             header = _header(line)
             if header is not None:
@@ -185,6 +186,21 @@ def _parse_module(hlo_text: str) -> tuple[dict[str, _Computation], str]:
     for computation in computations.values():
         _resolve_loops(computation, computations)
     return computations, entry
+
+
+def _logical_lines(hlo_text: str) -> Iterator[str]:
+    """The module's lines, an instruction whose attributes run over several lines joined into one.
+    Pallas kernels on TPU carry metadata with line breaks (`frontend_attributes={kernel_metadata=
+    {` ... `}}, metadata=...`): read line by line, the `}}` would close the computation early."""
+    pending = None
+    for line in hlo_text.splitlines():
+        text = line if pending is None else pending + " " + line
+        stripped = _STRING_OR_COMMENT.sub("", text)
+        pending = text if text[:1].isspace() and stripped.count("{") > stripped.count("}") else None
+        if pending is None:
+            yield text
+    if pending is not None:
+        yield pending
 
 
 def _resolve_loops(computation: _Computation, computations: dict[str, _Computation]) -> None:

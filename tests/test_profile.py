@@ -222,6 +222,19 @@ def test_metadata_and_comments_do_not_confuse_parsing():
     assert stats["all-to-all"]["bytes"] == 6 * 4 * 4
 
 
+def test_an_attribute_broken_over_lines_does_not_close_the_computation():
+    # The TPU compiler's form of a Pallas kernel (splash attention): its metadata spans lines,
+    # and one of them starts with "}}". What follows in the loop body still runs 3 times.
+    kernel = ('%k = f32[16]{0} custom-call(%v.body.1), custom_call_target="tpu_custom_call", '
+              'frontend_attributes={kernel_metadata={\n"xprof_metadata":"{\\"block_q\\": 512}"\n}}, '
+              'metadata={op_name="jit(f)/pallas_call"}')
+    text = module(COND, loop_body("body.1", kernel, "%ar = f32[16]{0} all-reduce(%k), to_apply=%add.clone",
+                                  "%c = s32[] constant(0)"),
+                  entry("%tuple.1 = (s32[], f32[16]{0}) tuple(%i, %p)", while_line("while.231", "body.1", 3)))
+    assert "\n}}, metadata" in text
+    assert collective_stats(text)["all-reduce"] == {"count": 3, "bytes": 3 * 16 * 4}
+
+
 def test_calls_branches_and_reachability():
     def comp(name: str, op: str) -> str:
         return f"%{name} (a: f32[16]) -> f32[16] {{\n  %a = f32[16]{{0}} parameter(0)\n  ROOT %r = {op}\n}}\n"
