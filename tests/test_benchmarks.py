@@ -63,6 +63,7 @@ def _check_context_parallel(out):
     # short length, where the parameter-sized temporaries every mode has dominate).
     assert rows["ring"]["temp_bytes"] < rows["none"]["temp_bytes"]
     assert rows["all_gather"]["temp_bytes"] < rows["none"]["temp_bytes"]
+    assert out["longest"] == {"none": 1024, "ring": 1024}  # a budget nothing reaches, capped at 1024
 
 
 def _check_pipeline(out):
