@@ -72,10 +72,12 @@ class Run:
         return jit_eval_step(self.step_spec)
 
     def batch_shape(self) -> dict[str, jax.ShapeDtypeStruct]:
-        """The abstract global batch {'inputs', 'targets'} the train step takes."""
+        """The abstract global batch {'inputs', 'targets'} the train step takes (and 'segments', the
+        document ids, with data.document_mask)."""
         t = self.config.train
         tokens = jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len), np.int32, sharding=self.batch_sharding)
-        return {"inputs": tokens, "targets": tokens}
+        keys = ("inputs", "targets", "segments") if self.config.data.document_mask else ("inputs", "targets")
+        return dict.fromkeys(keys, tokens)
 
     def compile(self):
         """(the train step compiled ahead of time, seconds it took): step times never include it."""
@@ -127,7 +129,7 @@ def _model(config, platform: str, layout: Layout) -> tuple[LanguageModel, list[s
         model, _ = model_from_config(config, here, layout)
         notes = [f"attention: planned with the xla kernel (cuDNN's does not compile on this {here} host, "
                  "not even for compile-only GPUs: it needs the cuDNN library); on the GPU cuDNN flash "
-                 "attention runs instead and needs less temporary memory (no L x L score matrix)"]
+                 "attention runs instead, and its temporaries are not in this plan"]
     return model, notes
 
 

@@ -45,8 +45,9 @@ def _add_model(c: ml_collections.ConfigDict) -> None:
         dtype="auto",          # compute dtype; auto = bfloat16 on GPU/TPU, float32 on CPU. Parameters stay float32.
         remat="none",          # none | full | dots_saveable: what the backward pass recomputes per layer
         attention=dict(
-            impl="auto",               # xla | cudnn | auto (cudnn where it runs, else xla)
+            impl="auto",               # xla | cudnn | splash | auto (cudnn on GPU, splash on TPU, where they run)
             context_parallel="ring",   # ring | all_gather: attention when mesh.sequence > 1
+            block_size=512,            # the blockwise (xla) kernel's tile edge: memory O(L x block), not O(L^2)
         ),
         moe=dict(                      # mixture of experts; its experts are split over mesh.expert
             num_experts=0,             # experts per MoE layer; 0 = a dense model
@@ -96,6 +97,7 @@ def _add_training(c: ml_collections.ConfigDict) -> None:
         text_field="text", token_dtype="uint16",  # uint16 | uint32: .bin files' token type
         val_fraction=0.05,     # the last 5% of tokens are held out for validation
         num_threads=2,         # reader threads; 0 reads in the training thread
+        document_mask=False,   # packed documents attend only within themselves (split at the tokenizer's EOS id)
     )
     c.checkpoint = dict(
         every_steps=500,       # async save every N steps (0 = only at the end); always saved at the last step

@@ -58,6 +58,13 @@ def flops_per_token(spec, n_params: int, seq_len: int) -> float:
     return 6.0 * n_params + 12.0 * spec.num_layers * spec.num_heads * head_dim * seq_len
 
 
+def attention_recompute_flops_per_token(spec, seq_len: int) -> float:
+    """The matmul FLOPs per token a step does beyond the convention's: the blockwise attention's
+    backward recomputes each tile's scores Q·Kᵀ (2·L·H·Q·T), as FlashAttention does; MFU leaves
+    recomputation out, so the compiled step's matmuls are flops_per_token plus this."""
+    return 2.0 * spec.num_layers * spec.num_heads * (spec.d_model // spec.num_heads) * seq_len
+
+
 def mfu(tokens_per_sec: float, flops_per_tok: float, num_devices: int, peak: float | None) -> float | None:
     """Achieved model FLOP/s over the devices' summed peak; None where the peak is unknown."""
     if not peak:

@@ -59,7 +59,7 @@ def loss_fn(params: dict, batch: Batch, spec: StepSpec) -> tuple[jax.Array, dict
     float32, activations placed by the layout's rules."""
     cast = jax.tree.map(lambda p: p.astype(spec.dtype), params)
     with spec.layout.activate():  # sharding constraints only: the algorithms are the model's strategy
-        return spec.model.loss(cast, batch["inputs"], batch["targets"])
+        return spec.model.loss(cast, batch["inputs"], batch["targets"], batch.get("segments"))
 
 
 def _grad_fn(spec: StepSpec):

@@ -60,7 +60,7 @@ def test_overrides_parse_types():
     (["mesh.pipeline=2", "pipeline.schedule=circular", "pipeline.virtual_stages=2", "model.num_layers=6"],
      "model.num_layers", "multiple of 4"),
     (["mesh.data=2", "mesh.sequence=4", "train.seq_len=36", "model.max_seq_len=64"], "train.seq_len", "multiple of 8"),
-    (["model.attention.impl=flash"], "model.attention.impl", "xla, cudnn, auto"),
+    (["model.attention.impl=flash"], "model.attention.impl", "xla, cudnn, splash, auto"),
     (["model.attention.context_parallel=tree"], "model.attention.context_parallel", "ring, all_gather"),
     (["mesh.data=1", "mesh.tensor=8"], "model.num_heads", "split 8 ways"),
     (["mesh.data=1", "mesh.fsdp=8", "model.d_model=100", "model.num_heads=2", "model.num_kv_heads=2"],

@@ -252,3 +252,19 @@ def test_hugging_face_export_refuses_an_moe_model():
     with pytest.raises(ConfigError) as info:
         hf_config_from_spec(SPEC)
     assert info.value.field == "model.moe.num_experts" and "dense Llama and GPT-2" in str(info.value)
+
+
+def test_routing_under_context_parallelism_drops_the_tokens_one_device_drops():
+    """With the sequence split over `sequence` the tokens compute in zig-zag order; expert queues
+    still fill in token order, so with tokens dropped (capacity factor 1) the model gives the
+    one-program logits (before: the zig-zag order decided which tokens were dropped)."""
+    spec = _with(SPEC, capacity_factor=1.0)
+    split = LanguageModel(ModelSpec(**{**spec.__dict__, "strategy": Strategy.for_layout(make_layout(sequence=2),
+                                                                                        context="ring")}))
+    params = split.init(jax.random.PRNGKey(0))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, spec.vocab_size, (2, 32)), jnp.int32)
+    logits, stats = jax.jit(split.apply_with_stats)(params, tokens)
+    want, want_stats = split.unsharded().apply_with_stats(params, tokens)
+    assert want_stats["moe_dropped"] > 0.01
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(stats["moe_dropped"], want_stats["moe_dropped"])

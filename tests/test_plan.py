@@ -1,11 +1,14 @@
 """The planner: compiled memory per device against the arithmetic, and collectives per step."""
 
 import json
+import math
 
 import pytest
 
 from conftest import ROOT, main_cli, run_cli
 from jaxscale import config as config_lib
+from jaxscale import metrics
+from jaxscale.models import model_from_config
 from jaxscale.plan import advice, compile_plan, make_plan
 from sends import Sizes, assert_sends
 
@@ -90,9 +93,15 @@ def test_zero2_accumulates_into_its_split_of_the_gradients(plans):
 
 @pytest.mark.parametrize("name", ["data8", "fsdp8", "mixed"])
 def test_compiled_matmul_flops_match_the_formula(plans, name):
-    # Every device does its share of the matmuls and no more (measured 0.999-1.000 here); the
-    # pipeline plan does more per device, its bubble ticks included.
-    assert plans[name]["flops"]["ratio"] == pytest.approx(1.0, abs=0.02)
+    # Every device does its share of the matmuls and no more; the pipeline plan does more per
+    # device, its bubble ticks included. Beyond the formula, the blockwise attention recomputes its
+    # scores in the backward (measured 1.021 of the formula on tiny.py, 1 + 0.021 recomputed).
+    config = _layout_config(name)
+    recompute = metrics.attention_recompute_flops_per_token(model_from_config(config, "cpu")[0].spec,
+                                                            config.train.seq_len)
+    formula = plans[name]["flops"]["formula_per_device"]
+    per_device = config.train.global_batch_size * config.train.seq_len / math.prod(plans[name]["mesh"].values())
+    assert plans[name]["flops"]["ratio"] == pytest.approx(1.0 + recompute * per_device / formula, abs=0.005)
 
 
 def test_zero_stages_move_collectives(plans):
@@ -147,8 +156,9 @@ COLLECTIVES_SPEC = {
     "tensor4_sp": {("all-gather", "tensor"): lambda s: 3 / 4 * L4 * s.a,
                    ("all-reduce", "tensor"): lambda s: 2 * 3 / 4 * L7 * s.a,
                    ("all-reduce", "data"): lambda s: 2 * 1 / 2 * (s.w + s.t) / 4},
-    # Ring: keys and values pass 3 hops a layer, their gradients 3 hops back.
-    "sequence4_ring": {("collective-permute", "sequence"): lambda s: 2 * 3 * 2 * s.kv * 2,
+    # Ring: keys and values pass 3 hops a layer forward and again in the backward's second ring
+    # pass, their dK and dV sums 4 hops behind them (the last one home).
+    "sequence4_ring": {("collective-permute", "sequence"): lambda s: 2 * (3 + 3 + 4) * 2 * s.kv,
                        ("all-reduce", "sequence"): lambda s: 2 * 3 / 4 * (s.w + s.t),
                        ("all-reduce", "data"): lambda s: 2 * 1 / 2 * (s.w + s.t)},
     # All-gather: keys and values gathered once a layer, their gradients reduce-scattered.

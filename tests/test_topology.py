@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import ROOT
-from jaxscale import cli, topology
+from jaxscale import cli, profile, topology
 from jaxscale import config as config_lib
 from jaxscale import plan as plan_lib
 from jaxscale.errors import ConfigError
@@ -173,3 +173,23 @@ def test_cli_says_whether_it_fits(capsys):
 def test_cli_refuses_a_topology_for_another_platform(capsys):
     assert plan_lib.main(["--config=configs/tiny.py", "--topology=v5e-8", "--platform=gpu"]) == 2
     assert capsys.readouterr().err.startswith("jaxscale: error: --platform")
+
+
+def test_on_tpu_attention_is_the_splash_kernel_on_each_chips_rows_and_heads():
+    """`auto` takes JAX's Pallas splash kernel on TPU, packed documents included. Under data x
+    tensor it runs in shard_map on each chip's rows and heads: its forward, dQ and dK/dV kernels
+    are in the compiled step, and the step's collectives are exactly those of the blockwise
+    kernel (nothing gathered or reduced for the kernel's sake)."""
+    devices, _ = topology.compile_only_devices("v5e-8")
+    compiled = {}
+    for impl in ("auto", "xla"):
+        config = config_lib.load(str(ROOT / "configs" / "tiny.py"))
+        config_lib.apply_overrides(config, ["train.seq_len=1024", "train.global_batch_size=8", "mesh.data=4",
+                                            "mesh.tensor=2", "data.document_mask=True", f"model.attention.impl={impl}"])
+        run, compiled[impl], _ = plan_lib.compile_plan(config, "tpu", devices)
+        assert run.model.spec.attention_impl == ("splash" if impl == "auto" else "xla")
+    hlo = compiled["auto"].as_text()
+    assert all(f"%splash_mha_{kernel}" in hlo for kernel in ("fwd_segmented_residuals", "dq_segmented_no_residuals",
+                                                          "dkv_segmented_no_residuals"))
+    splash_totals, xla_totals = (profile.step_totals(compiled[i].as_text()) for i in ("auto", "xla"))
+    assert splash_totals.unknown_loops == 0 and splash_totals.collectives == xla_totals.collectives

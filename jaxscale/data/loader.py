@@ -35,7 +35,8 @@ def shuffle_seed(seed: int) -> int:
 
 
 class Data:
-    """Training and validation batches, each {'inputs','targets'}: int32 [B, L] with the batch sharding."""
+    """Training and validation batches, each {'inputs','targets'} (+ 'segments' with
+    data.document_mask): int32 [B, L] with the batch sharding."""
 
     def __init__(self, train: Sequence, val: Sequence, tokenizer: Tokenizer, sharding: NamedSharding,
                  settings: DataSettings, num_train_tokens: int, num_val_tokens: int):
@@ -91,7 +92,7 @@ def _token_data(s: DataSettings, tokenizer: Tokenizer, sharding: NamedSharding) 
     tokens = sources.load_tokens(s, tokenizer)
     if pretokenized:
         _check_token_ids(tokens, s.vocab_size, s.path)
-    train, val = train_val_windows(tokens, s.seq_len, s.val_fraction)
+    train, val = train_val_windows(tokens, s.seq_len, s.val_fraction, tokenizer.eos_id if s.document_mask else None)
     return Data(train, val, tokenizer, sharding, s, len(train.tokens), len(val.tokens))
 
 
@@ -106,6 +107,6 @@ def make_data(config, batch_sharding: NamedSharding) -> Data:
     tokenizer = load_tokenizer(settings.tokenizer)
     if settings.source != "synthetic":
         return _token_data(settings, tokenizer, batch_sharding)
-    train, val = synthetic_splits(settings.vocab_size, settings.seq_len, settings.seed)
+    train, val = synthetic_splits(settings.vocab_size, settings.seq_len, settings.seed, settings.document_mask)
     return Data(train, val, tokenizer, batch_sharding, settings,
                 len(train) * settings.seq_len, len(val) * settings.seq_len)

@@ -26,6 +26,7 @@ class DataSettings:
     token_dtype: str
     val_fraction: float
     num_threads: int
+    document_mask: bool
     seq_len: int
     global_batch: int
     seed: int
@@ -33,7 +34,8 @@ class DataSettings:
 
 
 # The DataSettings fields read as they are from config.data.
-_DATA_FIELDS = ("source", "path", "tokenizer", "text_field", "token_dtype", "val_fraction", "num_threads")
+_DATA_FIELDS = ("source", "path", "tokenizer", "text_field", "token_dtype", "val_fraction", "num_threads",
+                "document_mask")
 
 
 def check(config) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxscale.data.windows import Example, example
+from jaxscale.data.windows import NO_EOS, Example, example
 
 TRAIN_WINDOWS = 1 << 20
 VAL_WINDOWS = 1 << 12
@@ -25,9 +25,10 @@ class SyntheticWindows(Sequence):
     """
 
     def __init__(self, vocab_size: int, seq_len: int, seed: int, stream: int = 0,
-                 count: int = TRAIN_WINDOWS):
+                 count: int = TRAIN_WINDOWS, segments: bool = False):
         self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
         self.stream, self._count = stream, count
+        self._eos = NO_EOS if segments else None  # with segment ids, each window is one document
 
     def __len__(self) -> int:
         return self._count
@@ -40,10 +41,12 @@ class SyntheticWindows(Sequence):
     def __getitem__(self, index: int) -> Example:
         rng = np.random.default_rng(self._entropy(index))
         start, stride = rng.integers(0, self.vocab_size), rng.integers(1, MAX_STRIDE + 1)
-        return example((start + stride * np.arange(self.seq_len + 1)) % self.vocab_size)
+        return example((start + stride * np.arange(self.seq_len + 1)) % self.vocab_size, self._eos)
 
 
-def synthetic_splits(vocab_size: int, seq_len: int, seed: int) -> tuple[SyntheticWindows, SyntheticWindows]:
-    """(training windows, validation windows) from separate random streams."""
-    return (SyntheticWindows(vocab_size, seq_len, seed, stream=0, count=TRAIN_WINDOWS),
-            SyntheticWindows(vocab_size, seq_len, seed, stream=1, count=VAL_WINDOWS))
+def synthetic_splits(vocab_size: int, seq_len: int, seed: int,
+                     segments: bool = False) -> tuple[SyntheticWindows, SyntheticWindows]:
+    """(training windows, validation windows) from separate random streams; with segments, each
+    window carries segment ids (all 0: one document)."""
+    return (SyntheticWindows(vocab_size, seq_len, seed, stream=0, count=TRAIN_WINDOWS, segments=segments),
+            SyntheticWindows(vocab_size, seq_len, seed, stream=1, count=VAL_WINDOWS, segments=segments))

@@ -1,12 +1,44 @@
-"""Attention kernels per platform: `xla` everywhere, cuDNN flash attention on NVIDIA GPUs; and
-attention to a KV cache for decoding (`write_cache`, `cached_attention`)."""
+"""Attention kernels per platform, and where each token sits (`Placement`).
+
+- `xla`, everywhere: the blockwise attention of `kernels.flash` (plain JAX, its own backward,
+  memory O(L·d)); context parallelism builds its ring on it.
+- `cudnn`, NVIDIA GPUs with bfloat16/float16 compute: cuDNN's fused flash attention.
+- `splash`, TPUs, sequence lengths a multiple of 128: the Pallas splash attention kernel that
+  ships with JAX (`kernels.splash`), segment ids included.
+- `auto` (default): cudnn or splash where it can run, else xla.
+With document masking (segment ids) cuDNN is not used: its packed-sequence form (offsets and
+lengths per document) is not wired, and it could not be tested without a GPU. Under context
+parallelism (`sequence` > 1) every platform runs the ring or all-gather of `parallel.context`.
+Decoding attends to a KV cache (`write_cache`, `cached_attention`).
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-IMPLS = ("xla", "cudnn", "auto")
+from jaxscale.kernels import flash, splash
+from jaxscale.parallel import per_device
+
+
+class Placement(NamedTuple):
+    """Where each token of a [B, L] batch sits: its position (what RoPE and learned position
+    embeddings read, and what causality compares) and, with document masking, its document's
+    id (None: each row one document). A pytree, so it travels through scans, pipeline stages and
+    shard_map as the token arrays do."""
+
+    positions: jax.Array
+    segments: jax.Array | None = None
+
+
+def document_positions(segments_BL):
+    """Each token's position within its document: 0 where the segment id changes (and at the
+    row's start), counting up until the next change."""
+    index = jnp.broadcast_to(jnp.arange(segments_BL.shape[1], dtype=jnp.int32), segments_BL.shape)
+    changed = jnp.concatenate([jnp.ones_like(segments_BL[:, :1], bool), segments_BL[:, 1:] != segments_BL[:, :-1]], 1)
+    return index - jax.lax.cummax(jnp.where(changed, index, 0), axis=1)
 
 
 def cudnn_supported(platform: str, dtype, head_dim: int) -> str | None:
@@ -20,21 +52,49 @@ def cudnn_supported(platform: str, dtype, head_dim: int) -> str | None:
     return None
 
 
-def resolve_impl(requested: str, platform: str, dtype, head_dim: int) -> tuple[str, str | None]:
-    """(the kernel to use, a one-line note or None). `auto` takes cuDNN where it can run."""
+def _unsupported(impl: str, platform: str, dtype, head_dim: int, document_mask: bool, length: int) -> str | None:
+    """None if kernel `impl` (cudnn or splash) can run this, else the reason it cannot."""
+    if impl == "splash":
+        return f"splash attention needs a TPU (platform is {platform})" if platform != "tpu" else (
+            splash.unsupported(length))
     reason = cudnn_supported(platform, dtype, head_dim)
+    if reason is None and document_mask:
+        reason = "cuDNN attention is not used with data.document_mask (segment ids); the blockwise kernel is"
+    return reason
+
+
+def resolve_impl(requested: str, platform: str, dtype, head_dim: int, document_mask: bool = False,
+                 length: int = 0) -> tuple[str, str | None]:
+    """(the kernel to use, a one-line note or None). `auto` takes the platform's kernel (splash
+    on TPU, cuDNN elsewhere) where it can run."""
     if requested == "xla":
         return "xla", None
+    kernel = requested if requested != "auto" else "splash" if platform == "tpu" else "cudnn"
+    reason = _unsupported(kernel, platform, dtype, head_dim, document_mask, length)
     if reason is None:
-        return "cudnn", f"attention: cudnn flash attention (model.attention.impl={requested})"
-    if requested == "cudnn":
-        return "xla", f"warning: model.attention.impl=cudnn falls back to xla: {reason}"
+        name = "cudnn flash attention" if kernel == "cudnn" else "splash attention (Pallas)"
+        return kernel, f"attention: {name} (model.attention.impl={requested})"
+    if requested != "auto":
+        return "xla", f"warning: model.attention.impl={requested} falls back to xla: {reason}"
     return "xla", f"attention: xla ({reason})"
 
 
-def causal_attention(q_BLHE, k_BLKE, v_BLKE, impl: str):
-    """Causal grouped-query attention on one device's whole sequence."""
-    return jax.nn.dot_product_attention(q_BLHE, k_BLKE, v_BLKE, is_causal=True, implementation=impl)
+def self_attention(q_BLHE, k_BLKE, v_BLKE, places: Placement, impl: str, block: int = flash.BLOCK, mesh=None):
+    """Causal grouped-query attention on one device's whole sequence, within documents when
+    places.segments is set (cudnn only without). Given the run's mesh, the xla and splash kernels
+    run on each device's own rows and heads (`parallel.per_device`)."""
+    if impl == "cudnn":
+        return jax.nn.dot_product_attention(q_BLHE, k_BLKE, v_BLKE, is_causal=True, implementation="cudnn")
+    pos, seg = places
+    rows = (pos,) if seg is None else (pos, seg)
+    if impl == "splash" and splash.unsupported(q_BLHE.shape[1]) is None:
+        def on_tpu(q, k, v, _, seg=None):
+            return splash.attention(q, k, v, seg, block)
+        return per_device(on_tpu, mesh, q_BLHE, k_BLKE, v_BLKE, *rows, every_axis=True)
+
+    def blockwise(q, k, v, pos, seg=None):
+        return flash.attention(q, k, v, pos, pos, seg, seg, block)
+    return per_device(blockwise, mesh, q_BLHE, k_BLKE, v_BLKE, *rows)
 
 
 def write_cache(cache_BSKE, new_BLKE, positions_BL):

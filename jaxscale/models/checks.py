@@ -10,7 +10,7 @@ from jaxscale.errors import require, require_choice, require_positive
 from jaxscale.names import ATTENTION_IMPLS, DTYPES, FAMILIES, REMAT_POLICIES, split_ways
 
 _SIZES = ("model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads", "model.d_ff",
-          "model.vocab_size", "model.max_seq_len")
+          "model.vocab_size", "model.max_seq_len", "model.attention.block_size")
 
 
 def check_model(config) -> None:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale.models.attention import cached_attention, causal_attention, write_cache
+from jaxscale.models.attention import Placement, cached_attention, self_attention, write_cache
 from jaxscale.parallel import context
 from jaxscale.sharding import constrain
 
@@ -85,7 +85,7 @@ class Attention(nnx.Module):
         self.wv = normal(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
         self.wo = normal(rngs, (H, E, D), ("heads", "head_dim", "embed"), out_std)
         self.use_rope, self.theta = cfg.family == "llama", cfg.rope_theta
-        self.impl, self.strategy = cfg.attention_impl, cfg.strategy
+        self.impl, self.block, self.strategy = cfg.attention_impl, cfg.attention_block, cfg.strategy
         if cfg.family == "gpt2":
             self.bias_q = zeros((H, E), ("heads", "head_dim"))
             self.bias_k = zeros((K, E), ("kv_heads", "head_dim"))
@@ -97,13 +97,15 @@ class Attention(nnx.Module):
         y = y + getattr(self, bias_name)[...] if hasattr(self, bias_name) else y
         return constrain(y, ("batch", "act_length", heads_axis, "head_dim"))
 
-    def __call__(self, x_BLD, positions_BL, cache=None):
-        """(out_BLD, cache). Without a cache (training), causal attention over this sequence and
-        cache None. With one ({'k', 'v'}: [B, S, K, E], decoding), the new keys and values are
-        written at their positions and the queries attend to the updated cache, which is returned."""
+    def __call__(self, x_BLD, places: Placement, cache=None):
+        """(out_BLD, cache). Without a cache (training), causal attention over this sequence
+        (within each document when places.segments is set) and cache None. With one ({'k', 'v'}:
+        [B, S, K, E], decoding), the new keys and values are written at their positions and the
+        queries attend to the updated cache, which is returned."""
         q_BLHE = self._project(x_BLD, self.wq, "bias_q", "act_heads")
         k_BLKE = self._project(x_BLD, self.wk, "bias_k", "act_kv_heads")
         v_BLKE = self._project(x_BLD, self.wv, "bias_v", "act_kv_heads")
+        positions_BL = places.positions
         if self.use_rope:
             q_BLHE = rope(q_BLHE, positions_BL, self.theta)
             k_BLKE = rope(k_BLKE, positions_BL, self.theta)
@@ -112,10 +114,10 @@ class Attention(nnx.Module):
                          v=write_cache(cache["v"], v_BLKE, positions_BL))
             out_BLHE = cached_attention(q_BLHE, cache["k"], cache["v"], positions_BL)
         elif self.strategy.context != "none":  # tokens in zig-zag order (see LanguageModel.loss)
-            out_BLHE = context.attention(q_BLHE, k_BLKE, v_BLKE, positions_BL,
-                                         self.strategy.mesh, self.strategy.context)
+            out_BLHE = context.attention(q_BLHE, k_BLKE, v_BLKE, positions_BL, places.segments,
+                                         self.strategy.mesh, self.strategy.context, self.block)
         else:
-            out_BLHE = causal_attention(q_BLHE, k_BLKE, v_BLKE, self.impl)
+            out_BLHE = self_attention(q_BLHE, k_BLKE, v_BLKE, places, self.impl, self.block, self.strategy.mesh)
         out_BLHE = constrain(out_BLHE, ("batch", "act_length", "act_heads", "head_dim"))
         out_BLD = jnp.einsum("BLHE,HED->BLD", out_BLHE, self.wo[...])
         return (out_BLD + self.bias_o[...] if hasattr(self, "bias_o") else out_BLD), cache

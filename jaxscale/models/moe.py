@@ -28,13 +28,14 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.models.layers import normal, zeros
 from jaxscale.models.strategy import Strategy
 from jaxscale.parallel import constrain as constrain_spec
-from jaxscale.parallel import current_mesh
+from jaxscale.parallel import context, current_mesh
 from jaxscale.sharding import constrain
 
 AXIS = "expert"
@@ -76,8 +77,11 @@ class Routing(NamedTuple):
     dropped: jax.Array    # fraction of assignments dropped
 
 
-def route(logits_BLX, top_k: int, capacity_per_row: int) -> Routing:
-    """Top-k softmax routing with per-row capacity, in float32.
+def route(logits_BLX, top_k: int, capacity_per_row: int, order: np.ndarray | None = None) -> Routing:
+    """Top-k softmax routing with per-row capacity, in float32. Queues fill in token order: with
+    the tokens laid out in another (`order`: place i holds token order[i], the zig-zag layout of
+    context parallelism), places are counted in token order all the same, so the same tokens are
+    dropped in any layout.
 
     Combine weights are the chosen experts' probabilities, renormalised to sum to 1 when
     top_k > 1 (GShard, Mixtral); with top_k = 1 the raw probability (Switch), so the router
@@ -89,9 +93,11 @@ def route(logits_BLX, top_k: int, capacity_per_row: int) -> Routing:
     top_p, experts = _top_k(probs, top_k)
     gates = top_p / top_p.sum(-1, keepdims=True) if top_k > 1 else top_p
     chosen = jax.nn.one_hot(experts, X, dtype=jnp.int32)                  # [B, L, k, X]
-    queue = chosen.swapaxes(1, 2).reshape(B, top_k * L, X)                 # first choices first
+    in_order = chosen if order is None else chosen[:, np.argsort(order)]
+    queue = in_order.swapaxes(1, 2).reshape(B, top_k * L, X)               # first choices first
     place = ((jnp.cumsum(queue, axis=1) - 1) * queue).sum(-1)             # [B, k*L]
     positions = place.reshape(B, top_k, L).swapaxes(1, 2)
+    positions = positions if order is None else positions[:, order]
     keep = positions < capacity_per_row
     counts = chosen.sum((1, 2))
     fraction, mean_prob = counts / (L * top_k), probs.mean(1)             # [B, X] each
@@ -138,8 +144,10 @@ class MoE(nnx.Module):
     def __call__(self, x_BLD):
         """(out_BLD, {name: scalar} router statistics, see STATS)."""
         logits_BLX = jnp.einsum("BLD,DX->BLX", x_BLD.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        s, length = self.strategy, x_BLD.shape[1]
+        order = None if s.context == "none" else context.zigzag_order(length, s.mesh.shape[context.AXIS])
         routing = route(constrain(logits_BLX, ("batch", "act_length", None)), self.spec.top_k,
-                        capacity(x_BLD.shape[1], self.spec))
+                        capacity(length, self.spec), order)
         out_BLD = dispatch_combine(x_BLD, routing, self.experts(), self.spec.num_experts,
                                    capacity(x_BLD.shape[1], self.spec), self.llama, self.strategy)
         return out_BLD, dict(zip(STATS, (routing.aux_loss, routing.z_loss, routing.dropped)))

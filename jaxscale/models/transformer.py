@@ -14,7 +14,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxscale.models.attention import resolve_impl
+from jaxscale.models.attention import Placement, document_positions, resolve_impl
 from jaxscale.models.layers import AXES_KEY, INNER, RESIDUAL, Attention, GeluMLP, LayerNorm, RMSNorm, SwiGLU, normal
 from jaxscale.models.moe import STATS, MoE, MoESpec
 from jaxscale.models.precision import compute_dtype
@@ -45,7 +45,8 @@ class ModelSpec:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     remat: str = "none"
-    attention_impl: str = "xla"       # a concrete kernel: xla | cudnn (see models.attention.resolve_impl)
+    attention_impl: str = "xla"       # a concrete kernel: xla | cudnn | splash (see models.attention.resolve_impl)
+    attention_block: int = 512        # the blockwise kernel's tile edge (model.attention.block_size)
     moe: MoESpec = MoESpec()          # mixture of experts (moe.num_experts 0: every MLP dense)
     strategy: Strategy = Strategy()   # how the forward splits over devices (default: one program)
 
@@ -55,6 +56,8 @@ class ModelSpec:
         values = {k: v for k, v in model_cfg.items() if k in names}
         if "moe" in model_cfg:
             values["moe"] = MoESpec(**model_cfg.moe.to_dict())
+        if "attention" in model_cfg:
+            values["attention_block"] = model_cfg.attention.block_size
         return cls(**values, attention_impl=attention_impl, strategy=strategy)
 
 
@@ -70,15 +73,15 @@ class Block(nnx.Module):
         self.attn = Attention(spec, rngs)
         self.mlp = MoE(spec, rngs) if moe else SwiGLU(spec, rngs) if spec.family == "llama" else GeluMLP(spec, rngs)
 
-    def _attend(self, x_BLD, positions_BL, cache):
+    def _attend(self, x_BLD, places, cache):
         # Norms run on the residual layout (split along length in sequence-parallel mode); their
         # outputs are gathered to the tensor-parallel layout that attention and the MLP need.
-        attn_BLD, cache = self.attn(constrain(self.attn_norm(x_BLD), INNER), positions_BL, cache)
+        attn_BLD, cache = self.attn(constrain(self.attn_norm(x_BLD), INNER), places, cache)
         return constrain(x_BLD + attn_BLD, RESIDUAL), cache
 
-    def __call__(self, x_BLD, positions_BL, cache=None):
+    def __call__(self, x_BLD, places, cache=None):
         """(x_BLD, this layer's updated KV cache, or None without one: see Attention)."""
-        x_BLD, cache = self._attend(x_BLD, positions_BL, cache)
+        x_BLD, cache = self._attend(x_BLD, places, cache)
         return constrain(x_BLD + self.mlp(constrain(self.mlp_norm(x_BLD), INNER)), RESIDUAL), cache
 
 
@@ -88,9 +91,9 @@ class MoEBlock(Block):
     def __init__(self, spec: ModelSpec, rngs: nnx.Rngs):
         super().__init__(spec, rngs, moe=True)
 
-    def __call__(self, x_BLD, positions_BL, cache=None):
+    def __call__(self, x_BLD, places, cache=None):
         """(x_BLD, updated KV cache or None, {name: scalar} router statistics)."""
-        x_BLD, cache = self._attend(x_BLD, positions_BL, cache)
+        x_BLD, cache = self._attend(x_BLD, places, cache)
         out_BLD, stats = self.mlp(constrain(self.mlp_norm(x_BLD), INNER))
         return constrain(x_BLD + out_BLD, RESIDUAL), cache, stats
 
@@ -124,7 +127,7 @@ class Transformer(nnx.Module):
         if not spec.tie_embeddings:
             self.head = normal(rngs, (spec.d_model, spec.vocab_size), ("embed", "vocab"), spec.init_std)
 
-    def __call__(self, tokens_BL, positions_BL, cache=None):
+    def __call__(self, tokens_BL, places: Placement, cache=None):
         """(logits_BLV float32, the updated KV cache or None without one, the router statistics:
         {} for a dense model, else STATS averaged over the MoE layers).
 
@@ -143,15 +146,15 @@ class Transformer(nnx.Module):
         tokens_BL = constrain(tokens_BL, INNER[:2])
         x_BLD = constrain(jnp.take(constrain(self.embed[...], ("vocab", None)), tokens_BL, axis=0), INNER)
         if self.spec.family == "gpt2":
-            x_BLD = x_BLD + jnp.take(self.pos_embed[...], positions_BL, axis=0)
+            x_BLD = x_BLD + jnp.take(self.pos_embed[...], places.positions, axis=0)
         x_BLD = constrain(x_BLD, RESIDUAL)
         stats = {}
         if self.spec.moe.num_experts:
-            x_BLD, cache, stats = self._scan_groups(x_BLD, positions_BL, cache)
+            x_BLD, cache, stats = self._scan_groups(x_BLD, places, cache)
         elif cache is None:
-            x_BLD = self._scan_layers(x_BLD, positions_BL)
+            x_BLD = self._scan_layers(x_BLD, places)
         else:
-            x_BLD, cache = self._scan_cached(x_BLD, positions_BL, cache)
+            x_BLD, cache = self._scan_cached(x_BLD, places, cache)
         x_BLD = constrain(self.final_norm(x_BLD), INNER)
         w_DV = self.embed[...].T if self.spec.tie_embeddings else self.head[...]
         logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, w_DV, preferred_element_type=jnp.float32)
@@ -163,33 +166,33 @@ class Transformer(nnx.Module):
             return layer_fn
         return jax.checkpoint(layer_fn, policy=REMAT_POLICIES[self.spec.remat], prevent_cse=False)
 
-    def _scan_layers(self, x_BLD, positions_BL):
+    def _scan_layers(self, x_BLD, places):
         graphdef, stacked = nnx.split(self.layers)
 
-        def run_layers(params, x_BLD, positions_BL):
+        def run_layers(params, x_BLD, places):
             def layer(x, layer_params):
-                return nnx.merge(graphdef, layer_params)(x, positions_BL)[0], None
+                return nnx.merge(graphdef, layer_params)(x, places)[0], None
 
             return jax.lax.scan(self._remat(layer), x_BLD, params)[0]
 
         s = self.spec.strategy
         if s.pipeline == "circular":
-            return pipeline.circular(run_layers, stacked, x_BLD, positions_BL, s.mesh, s.microbatches, s.virtual_stages)
+            return pipeline.circular(run_layers, stacked, x_BLD, places, s.mesh, s.microbatches, s.virtual_stages)
         if s.pipeline == "gpipe":
-            return pipeline.gpipe(run_layers, stacked, x_BLD, positions_BL, s.mesh, s.microbatches)
-        return run_layers(stacked, x_BLD, positions_BL)
+            return pipeline.gpipe(run_layers, stacked, x_BLD, places, s.mesh, s.microbatches)
+        return run_layers(stacked, x_BLD, places)
 
-    def _scan_cached(self, x_BLD, positions_BL, cache):
+    def _scan_cached(self, x_BLD, places, cache):
         """The layer scan for decoding: each layer reads and returns its slice of the stacked cache."""
         graphdef, stacked = nnx.split(self.layers)
 
         def layer(x, params_and_cache):
             layer_params, layer_cache = params_and_cache
-            return nnx.merge(graphdef, layer_params)(x, positions_BL, layer_cache)
+            return nnx.merge(graphdef, layer_params)(x, places, layer_cache)
 
         return jax.lax.scan(layer, x_BLD, (stacked, cache))
 
-    def _scan_groups(self, x_BLD, positions_BL, cache=None):
+    def _scan_groups(self, x_BLD, places, cache=None):
         """An MoE model's layers (see MoEStacks), scanned over groups: (x_BLD, the updated cache or
         None, the router statistics averaged over the MoE layers). Remat, as set, per layer."""
         n = self.spec.moe.every_n_layers
@@ -200,10 +203,10 @@ class Transformer(nnx.Module):
         caches = jax.tree.map(lambda c: c.reshape(groups, n, *c.shape[1:]), cache)
 
         def dense_layer(x, params_and_cache):
-            return nnx.merge(dense_def, params_and_cache[0])(x, positions_BL, params_and_cache[1])
+            return nnx.merge(dense_def, params_and_cache[0])(x, places, params_and_cache[1])
 
         def moe_layer(x, params, layer_cache):
-            return nnx.merge(moe_def, params)(x, positions_BL, layer_cache)
+            return nnx.merge(moe_def, params)(x, places, layer_cache)
 
         dense_layer, moe_layer = self._remat(dense_layer), self._remat(moe_layer)
 
@@ -255,48 +258,55 @@ class LanguageModel:
         """float32 parameters from a PRNG key; the values do not depend on the device count."""
         return nnx.to_pure_dict(nnx.split(Transformer(self.spec, nnx.Rngs(params=key)))[1])
 
-    def apply(self, params: dict, tokens_BL, positions_BL=None):
+    def apply(self, params: dict, tokens_BL, positions_BL=None, segments_BL=None):
         """Logits [B, L, V] in float32; params may be in any float dtype (the compute dtype)."""
-        return self.apply_with_stats(params, tokens_BL, positions_BL)[0]
+        return self.apply_with_stats(params, tokens_BL, positions_BL, segments_BL)[0]
 
-    def apply_with_stats(self, params: dict, tokens_BL, positions_BL=None):
+    def apply_with_stats(self, params: dict, tokens_BL, positions_BL=None, segments_BL=None):
         """(logits [B, L, V] float32, router statistics: {} for a dense model, else the float32
-        scalars moe.STATS averaged over the MoE layers). Tokens in their natural order when
-        positions_BL is None; with a context-parallel strategy they are laid out in zig-zag
-        order for the forward and the logits returned in natural order."""
+        scalars moe.STATS averaged over the MoE layers). segments_BL (int32 [B, L], None: one
+        document a row): packed documents, each token attending only within its own, positions
+        counted from each document's start. Tokens in their natural order when positions_BL is
+        None; with a context-parallel strategy they are laid out in zig-zag order for the
+        forward and the logits returned in natural order. Given positions_BL, the tokens are
+        taken as laid out."""
         if positions_BL is not None:
-            return self._forward(params, tokens_BL, positions_BL)
-        order = self._token_order(tokens_BL.shape[1])
-        if order is None:
-            return self._forward(params, tokens_BL, jnp.broadcast_to(jnp.arange(tokens_BL.shape[1]), tokens_BL.shape))
-        logits_BLV, stats = self._forward(params, tokens_BL[:, order], jnp.broadcast_to(order, tokens_BL.shape))
-        return logits_BLV[:, np.argsort(order)], stats
+            return self._forward(params, tokens_BL, Placement(positions_BL, segments_BL))
+        (tokens_BL,), places, order = self._lay_out((tokens_BL,), segments_BL)
+        logits_BLV, stats = self._forward(params, tokens_BL, places)
+        return (logits_BLV, stats) if order is None else (logits_BLV[:, np.argsort(order)], stats)
 
-    def loss(self, params: dict, inputs_BL, targets_BL):
+    def loss(self, params: dict, inputs_BL, targets_BL, segments_BL=None):
         """(training objective, metrics): metrics['loss'] is the mean next-token cross entropy;
         an MoE model adds its router losses, weighted, to the objective and its router
-        statistics (stat_names) to the metrics. With a context-parallel strategy, inputs,
-        targets and positions are reordered together (zig-zag), which leaves the function and
-        the mean loss unchanged and saves putting the logits back in order."""
-        order = self._token_order(inputs_BL.shape[1])
-        positions_BL = None
-        if order is not None:
-            inputs_BL, targets_BL = inputs_BL[:, order], targets_BL[:, order]
-            positions_BL = jnp.broadcast_to(jnp.asarray(order, jnp.int32), inputs_BL.shape)
-        logits_BLV, stats = self.apply_with_stats(params, inputs_BL, positions_BL)
+        statistics (stat_names) to the metrics. segments_BL as in apply_with_stats. With a
+        context-parallel strategy, inputs, targets, positions and segments are reordered together
+        (zig-zag), which leaves the function and the mean loss unchanged and saves putting the
+        logits back in order."""
+        (inputs_BL, targets_BL), places, _ = self._lay_out((inputs_BL, targets_BL), segments_BL)
+        logits_BLV, stats = self._forward(params, inputs_BL, places)
         # Targets placed as the logits' rows (whole over `tensor`, as the lookup's ids), so picking
         # each target's logit stays local to the vocabulary split that holds it.
         targets_BL = constrain(targets_BL, INNER[:2])
         loss = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
         return (loss + self.router_loss(stats) if stats else loss), {"loss": loss, **stats}
 
-    def _token_order(self, length: int) -> np.ndarray | None:
-        """The zig-zag order the context-parallel strategy needs, or None."""
+    def _lay_out(self, arrays_BL: tuple, segments_BL):
+        """(arrays, Placement, order): token arrays in natural order, with their positions (from each
+        document's start when segments are given), put in the order the strategy computes in:
+        the zig-zag order of context parallelism (order), or as they are (order None)."""
+        length = arrays_BL[0].shape[1]
+        positions_BL = (jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), arrays_BL[0].shape)
+                        if segments_BL is None else document_positions(segments_BL))
         s = self.spec.strategy
-        return None if s.context == "none" else context.zigzag_order(length, s.mesh.shape[context.AXIS])
+        if s.context == "none":
+            return arrays_BL, Placement(positions_BL, segments_BL), None
+        order = context.zigzag_order(length, s.mesh.shape[context.AXIS])
+        arrays_BL, places = jax.tree.map(lambda x: x[:, order], (arrays_BL, Placement(positions_BL, segments_BL)))
+        return arrays_BL, places, order
 
-    def _forward(self, params: dict, tokens_BL, positions_BL):
-        logits_BLV, _, stats = nnx.merge(self.graphdef, params)(tokens_BL, positions_BL)
+    def _forward(self, params: dict, tokens_BL, places: Placement):
+        logits_BLV, _, stats = nnx.merge(self.graphdef, params)(tokens_BL, places)
         return logits_BLV, stats
 
     def unsharded(self) -> LanguageModel:
@@ -329,7 +339,7 @@ class LanguageModel:
         their positions (consecutive within a row, below max_len) and each token attends to every
         cached position <= its own. One call can prefill a whole prompt; later calls add a token each.
         The cache's slot s must hold position s, so fill it from position 0 without gaps."""
-        return nnx.merge(self.graphdef, params)(tokens_BL, positions_BL, cache)[:2]
+        return nnx.merge(self.graphdef, params)(tokens_BL, Placement(positions_BL), cache)[:2]
 
 
 def _unflatten(flat: dict) -> dict:
@@ -347,7 +357,8 @@ def model_from_config(config, platform: str, layout: Layout | None = None) -> tu
     chosen. Given the run's layout, the model's strategy runs the pipeline schedule, context
     parallel attention and expert dispatch its mesh needs (see Strategy.for_layout)."""
     m = config.model
-    impl, note = resolve_impl(m.attention.impl, platform, compute_dtype(m.dtype, platform), m.d_model // m.num_heads)
+    impl, note = resolve_impl(m.attention.impl, platform, compute_dtype(m.dtype, platform), m.d_model // m.num_heads,
+                              config.data.document_mask, config.train.seq_len)
     strategy = Strategy() if layout is None else Strategy.for_layout(
         layout, schedule=config.pipeline.schedule, microbatches=config.pipeline.microbatches,
         virtual_stages=config.pipeline.virtual_stages, context=m.attention.context_parallel)

@@ -1,6 +1,8 @@
 """Parallelism beyond what sharding rules express: context-parallel attention, pipelines."""
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxscale import sharding
 
@@ -22,3 +24,28 @@ def batch_axes(*besides: str) -> tuple[str, ...]:
     `besides`: the axes a shard_map over rows makes manual too, so that what each row needs
     stays on its device and gradients of what it shares are summed once, at the map's edge."""
     return tuple(a for a in sharding.split_axes("batch") if a not in besides)
+
+
+def per_device(local, mesh, q_BLHE, k_BLKE, v_BLKE, *rows_BL, every_axis: bool = False):
+    """local(q, k, v, *rows) on the rows and heads each device holds: shard_map over the active
+    layout's batch and heads axes (with `every_axis`, over every mesh axis not manual already:
+    a Pallas kernel cannot sit where any axis is left to the partitioner, not even one of size 1;
+    elsewhere that would add an all-reduce of each input's gradient over the size-1 axes).
+
+    For attention kernels whose work is per row and head: the Pallas kernel, and the blockwise
+    kernel, whose test for a tile nothing sees would otherwise be one all-reduce over the
+    batch's axes per tile (measured on the TPU compiler). Key/value heads replicated across the
+    heads' axes (too few to split) are repeated to one per query head first, so each device
+    holds the pairs its query heads need."""
+    heads, batch = sharding.split_axes("act_heads"), batch_axes()
+    mesh = None if mesh is None else current_mesh(mesh)
+    free = set() if mesh is None else set(mesh.axis_names) - set(getattr(mesh, "manual_axes", ()))
+    axes = free if every_axis else {*heads, *batch} & free
+    if not axes:
+        return local(q_BLHE, k_BLKE, v_BLKE, *rows_BL)
+    if heads and heads != sharding.split_axes("act_kv_heads"):
+        groups = q_BLHE.shape[2] // k_BLKE.shape[2]
+        k_BLKE, v_BLKE = (jnp.repeat(x, groups, axis=2) for x in (k_BLKE, v_BLKE))
+    qkv, rows = P(batch or None, None, heads or None, None), P(batch or None, None)
+    return jax.shard_map(local, mesh=mesh, in_specs=(qkv,) * 3 + (rows,) * len(rows_BL), out_specs=qkv,
+                         axis_names=axes, check_vma=False)(q_BLHE, k_BLKE, v_BLKE, *rows_BL)

@@ -1,16 +1,19 @@
 """Context parallelism: attention over a sequence split across the `sequence` mesh axis.
 
-Two strategies, both inside shard_map over `sequence` (other mesh axes stay automatic):
-- ring: K/V blocks travel around the ring with ppermute while each device folds them into an
-  online (log-sum-exp) softmax; memory per device grows with (L/S)^2 per step, never L^2.
-- all_gather: each device gathers the whole K/V once and attends its queries to it; fewer,
-  larger messages, better for short sequences.
+Two strategies, both inside shard_map over `sequence` (the batch's mesh axes manual too), both
+on the blockwise attention of `models.flash`:
+- ring: key/value blocks travel around the ring with ppermute while each device folds them into
+  its queries' online softmax, each send issued beside the current block's compute so the two
+  overlap. Its own backward (custom_vjp, as Liu et al.'s ring attention) saves only the output
+  and the log-sum-exp and makes a second ring pass, the dK/dV sums following the blocks one hop
+  behind: memory per device O(L/S · d), never a score matrix.
+- all_gather: each device gathers the whole K/V once and attends its queries to it (gradients
+  reduce-scattered back); fewer, larger messages, better for short sequences.
 
-Causality comes from the tokens' true positions. Both expect the zig-zag layout
-(`zigzag_order`), which gives every device an equal share of unmasked work; the ring uses it to
-compute only the visible half of each visiting block. Gradients
-come from autodiff through the loop (the running max is a stop_gradient: the result does not
-depend on it mathematically).
+Causality comes from the tokens' true positions, document boundaries from segment ids. Both
+expect the zig-zag layout (`zigzag_order`), which gives every device an equal share of unmasked
+work; with tiles no longer than a chunk, the blockwise kernel skips the tiles no query of the
+device can see, so a visiting block costs half a diagonal one.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.errors import require, require_choice
+from jaxscale.kernels import flash
 from jaxscale.names import CONTEXT_PARALLEL
 from jaxscale.parallel import batch_axes, current_mesh
 
@@ -37,7 +41,6 @@ def check(config, sizes) -> None:
     require(sizes[AXIS] == 1 or seq_len % chunks == 0, "train.seq_len", seq_len,
             f"context parallelism lays the sequence out in {chunks} chunks (2 x mesh.sequence); "
             f"use a multiple of {chunks}")
-_MASKED = -1e30  # finite, so fully masked rows stay NaN-free
 
 
 def zigzag_order(length: int, shards: int) -> np.ndarray:
@@ -50,101 +53,91 @@ def zigzag_order(length: int, shards: int) -> np.ndarray:
     return np.concatenate([np.concatenate([chunks[i], chunks[2 * shards - 1 - i]]) for i in range(shards)])
 
 
-def _group(q_BQHE, kv_heads: int):
-    b, q, h, e = q_BQHE.shape
-    return q_BQHE.reshape(b, q, kv_heads, h // kv_heads, e)
+def _send(x, shards: int):
+    """x from each device to the next one around the ring."""
+    return jax.lax.ppermute(x, AXIS, [(i, (i + 1) % shards) for i in range(shards)])
 
 
-def _block(carry, q_BQKGE, k_BSKE, v_BSKE, q_pos_BQ, k_pos_BS):
-    """Fold one K/V block into the running (out, max, sum) of an online softmax, in fp32."""
-    out, run_max, run_sum = carry
-    scale = q_BQKGE.shape[-1] ** -0.5
-    s = jnp.einsum("bqkge,bske->bkgqs", q_BQKGE, k_BSKE, preferred_element_type=jnp.float32) * scale
-    visible = (q_pos_BQ[:, None, None, :, None] >= k_pos_BS[:, None, None, None, :])
-    s = jnp.where(visible, s, _MASKED)
-    new_max = jax.lax.stop_gradient(jnp.maximum(run_max, s.max(-1)))
-    p = jnp.exp(s - new_max[..., None]) * visible
-    correction = jnp.exp(run_max - new_max)
-    run_sum = run_sum * correction + p.sum(-1)
-    pv = jnp.einsum("bkgqs,bske->bqkge", p.astype(v_BSKE.dtype), v_BSKE, preferred_element_type=jnp.float32)
-    out = out * jnp.moveaxis(correction, -1, 1)[..., None] + pv
-    return out, new_max, run_sum
+def _ring_hops(hop, carry, shards: int):
+    """Run hop(carry, send) for each of the ring's `shards` blocks: every hop but the last also
+    sends the visiting block on (send=True), the middle ones in a scan."""
+    carry = hop(carry, True)
+    carry, _ = jax.lax.scan(lambda c, _: (hop(c, True), None), carry, length=shards - 2)
+    return hop(carry, False)
 
 
-def _start(q_BQKGE):
-    b, q, k, g, e = q_BQKGE.shape
-    return (jnp.zeros((b, q, k, g, e), jnp.float32), jnp.full((b, k, g, q), _MASKED, jnp.float32),
-            jnp.zeros((b, k, g, q), jnp.float32))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _ring(q, k, v, pos, seg, shards: int, block: int):
+    return _ring_fwd(q, k, v, pos, seg, shards, block)[0]
 
 
-def _finish(carry, q_BQHE):
-    out, _, run_sum = carry
-    out = out / jnp.moveaxis(run_sum, -1, 1)[..., None]
-    return out.reshape(q_BQHE.shape).astype(q_BQHE.dtype)
+def _ring_fwd(q, k, v, pos, seg, shards, block):
+    """Each device folds the S key/value blocks into its queries' result as they come round;
+    the send of the next block is issued beside the current block's compute (it depends only on
+    the block, not on the result), so the two can overlap."""
+    def hop(carry, send):
+        out, lse, visiting = carry
+        following = jax.tree.map(functools.partial(_send, shards=shards), visiting) if send else None
+        k_h, v_h, pos_h, seg_h = visiting
+        out, lse = flash.merge(out, lse, *flash.forward(q, k_h, v_h, pos, pos_h, seg, seg_h, block, block))
+        return out, lse, following
+
+    empty = (jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:-1], flash.EMPTY, jnp.float32))
+    out, lse, _ = _ring_hops(hop, (*empty, (k, v, pos, seg)), shards)
+    out = out.astype(q.dtype)
+    return out, (q, k, v, pos, seg, out, lse)
 
 
-def _split_rows(carry, half: int):
-    out, run_max, run_sum = carry
-    return ((out[:, :half], run_max[..., :half], run_sum[..., :half]),
-            (out[:, half:], run_max[..., half:], run_sum[..., half:]))
+def _ring_bwd(shards, block, residuals, d_out):
+    """The second ring pass: keys and values go round again, each followed one hop behind by the
+    running sum of its dK and dV (float32), which each device adds its queries' share to. The sum
+    a device receives is needed only after its own share is computed, so that send overlaps the
+    compute too. After S hops the sums are one hop short of home: one last send."""
+    q, k, v, pos, seg, out, lse = residuals
+    row_delta = flash.delta(out, d_out)
+
+    def hop(carry, send):
+        dq, visiting, sums = carry
+        following = jax.tree.map(functools.partial(_send, shards=shards), visiting) if send else None
+        arrived = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)) if sums is None else \
+            jax.tree.map(functools.partial(_send, shards=shards), sums)
+        k_h, v_h, pos_h, seg_h = visiting
+        dq, *sums = flash.backward(q, k_h, v_h, pos, pos_h, seg, seg_h, lse, row_delta, d_out, block, block,
+                                   into=(dq, *arrived))
+        return dq, following, tuple(sums)
+
+    dq, _, sums = _ring_hops(hop, (jnp.zeros(q.shape, jnp.float32), (k, v, pos, seg), None), shards)
+    dk, dv = jax.tree.map(functools.partial(_send, shards=shards), sums)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
-def _join_rows(head, tail):
-    return (jnp.concatenate([head[0], tail[0]], 1), jnp.concatenate([head[1], tail[1]], -1),
-            jnp.concatenate([head[2], tail[2]], -1))
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def _visiting_block(carry, q, k, v, q_pos, k_pos, from_earlier_shard):
-    """A K/V block from another shard, zig-zag layout: exactly half of it is visible, so compute half.
-
-    Shard i holds chunks (i, 2S-1-i). K/V from an earlier shard j < i: its first chunk j is
-    visible to all our queries and its second chunk (2S-1-j) to none. From a later shard j > i:
-    only our second chunk sees it, and sees all of it.
-    """
-    half = q.shape[1] // 2
-
-    def earlier(carry):
-        return _block(carry, q, k[:, :half], v[:, :half], q_pos, k_pos[:, :half])
-
-    def later(carry):
-        head, tail = _split_rows(carry, half)
-        return _join_rows(head, _block(tail, q[:, half:], k, v, q_pos[:, half:], k_pos))
-
-    return jax.lax.cond(from_earlier_shard, earlier, later, carry)
+def _ring_local(q_BQHE, k_BSKE, v_BSKE, pos_BQ, seg_BQ, *, shards: int, block: int):
+    q = flash.group(q_BQHE, k_BSKE.shape[2])
+    return _ring(q, k_BSKE, v_BSKE, pos_BQ, seg_BQ, shards, block).reshape(q_BQHE.shape)
 
 
-def _ring_local(q_BQHE, k_BSKE, v_BSKE, q_pos_BQ, k_pos_BS, *, shards: int):
-    """Ring attention for inputs in zig-zag order (see zigzag_order): S-1 K/V hops."""
-    q = _group(q_BQHE, k_BSKE.shape[2])
-    me = jax.lax.axis_index(AXIS)
-    shift = [(i, (i + 1) % shards) for i in range(shards)]
-
-    def step(state, hop):
-        carry, k, v, k_pos = state
-        k, v, k_pos = (jax.lax.ppermute(x, AXIS, shift) for x in (k, v, k_pos))
-        source = (me - hop) % shards
-        return (_visiting_block(carry, q, k, v, q_pos_BQ, k_pos, source < me), k, v, k_pos), None
-
-    diagonal = _block(_start(q), q, k_BSKE, v_BSKE, q_pos_BQ, k_pos_BS)  # our own chunks, causal
-    (carry, *_), _ = jax.lax.scan(step, (diagonal, k_BSKE, v_BSKE, k_pos_BS), jnp.arange(1, shards))
-    return _finish(carry, q_BQHE)
+def _all_gather_local(q_BQHE, k_BSKE, v_BSKE, pos_BQ, seg_BQ, *, shards: int, block: int):
+    k, v, k_pos, k_seg = (jax.lax.all_gather(x, AXIS, axis=1, tiled=True) for x in (k_BSKE, v_BSKE, pos_BQ, seg_BQ))
+    return flash.attention(q_BQHE, k, v, pos_BQ, k_pos, seg_BQ, k_seg, block)
 
 
-def _all_gather_local(q_BQHE, k_BSKE, v_BSKE, q_pos_BQ, k_pos_BS):
-    k, v, k_pos = (jax.lax.all_gather(x, AXIS, axis=1, tiled=True) for x in (k_BSKE, v_BSKE, k_pos_BS))
-    q = _group(q_BQHE, k.shape[2])
-    return _finish(_block(_start(q), q, k, v, q_pos_BQ, k_pos), q_BQHE)
-
-
-def attention(q_BLHE, k_BLKE, v_BLKE, positions_BL, mesh, mode: str = "ring"):
-    """Causal attention with the length dimension split over `sequence` (ring or all_gather).
+def attention(q_BLHE, k_BLKE, v_BLKE, positions_BL, segments_BL, mesh, mode: str = "ring", block: int = flash.BLOCK):
+    """Causal attention with the length dimension split over `sequence` (ring or all_gather), in
+    tiles of at most `block` rows that divide each zig-zag chunk (so the tiles a device cannot
+    see are skipped whole); segments_BL (None: one document a row) keeps each token within its
+    document.
 
     The batch's own split (the active layout's `batch` axes) is manual too: left automatic, the
     partitioner gathered the whole batch over `data` for an all-gather inside the map (every
     data replica then attended to every row; measured on XLA:CPU and the TPU compiler)."""
     shards = mesh.shape[AXIS]
-    local = (functools.partial(_ring_local, shards=shards) if mode == "ring" else _all_gather_local)
+    segments_BL = jnp.zeros_like(positions_BL) if segments_BL is None else segments_BL
+    tile = flash.block_for(q_BLHE.shape[1] // (2 * shards), block)
+    local = functools.partial(_ring_local if mode == "ring" else _all_gather_local, shards=shards, block=tile)
     batch = batch_axes(AXIS)
     seq = P(batch or None, AXIS)
-    return jax.shard_map(local, mesh=current_mesh(mesh), in_specs=(seq, seq, seq, seq, seq), out_specs=seq,
-                         axis_names={AXIS, *batch}, check_vma=False)(q_BLHE, k_BLKE, v_BLKE, positions_BL, positions_BL)
+    return jax.shard_map(local, mesh=current_mesh(mesh), in_specs=(seq,) * 5, out_specs=seq,
+                         axis_names={AXIS, *batch}, check_vma=False)(q_BLHE, k_BLKE, v_BLKE, positions_BL, segments_BL)

@@ -57,16 +57,21 @@ def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> 
     return (stages - 1) / (virtual_stages * microbatches + stages - 1)
 
 
+def _take(tree, index):
+    """Microbatch `index` of each array in tree (the tokens' positions and segment ids)."""
+    return jax.tree.map(lambda x: x[index], tree)
+
+
 def _schedule(stage_fn, stages: int, count: int):
     """The per-device GPipe loop, run inside shard_map over `pipeline`."""
-    def local(params, xs, positions):
+    def local(params, xs, places):
         stage, last = jax.lax.axis_index(AXIS), stages - 1
         forward = [(i, i + 1) for i in range(stages - 1)]
 
         def tick(carry, t):
             held, outputs = carry
             inp = jnp.where(stage == 0, xs[jnp.minimum(t, count - 1)], held)
-            out = stage_fn(params, inp, positions[jnp.clip(t - stage, 0, count - 1)])
+            out = stage_fn(params, inp, _take(places, jnp.clip(t - stage, 0, count - 1)))
             slot = jnp.maximum(t - last, 0)
             ready = (stage == last) & (t >= last)
             outputs = outputs.at[slot].set(jnp.where(ready, out, outputs[slot]))  # touches one slot
@@ -79,18 +84,19 @@ def _schedule(stage_fn, stages: int, count: int):
     return local
 
 
-def gpipe(stage_fn, stacked_params, x_BLD, positions_BL, mesh, microbatches: int):
+def gpipe(stage_fn, stacked_params, x_BLD, places, mesh, microbatches: int):
     """x after all layers, run as `mesh.shape['pipeline']` stages over `microbatches` microbatches.
 
-    stage_fn(local_params, x, positions) applies one stage's layers; stacked_params has the
-    layer dimension first, split over `pipeline`.
+    stage_fn(local_params, x, places) applies one stage's layers (places: the tokens' positions,
+    a pytree of [B, L] arrays microbatched as x is); stacked_params has the layer dimension
+    first, split over `pipeline`.
     """
     stages = mesh.shape[AXIS]
     local = _schedule(jax.checkpoint(stage_fn), stages, microbatches)  # remat per stage: memory ~ P, not M
-    return _over_stages(local, P(AXIS), stacked_params, x_BLD, positions_BL, mesh, microbatches)
+    return _over_stages(local, P(AXIS), stacked_params, x_BLD, places, mesh, microbatches)
 
 
-def _over_stages(local, param_spec, params, x_BLD, positions_BL, mesh, microbatches: int):
+def _over_stages(local, param_spec, params, x_BLD, places, mesh, microbatches: int):
     """Run a schedule in shard_map over `pipeline` on the microbatches of x; its outputs (held
     by the last stage, zeros elsewhere) are summed over the stages.
 
@@ -114,15 +120,15 @@ def _over_stages(local, param_spec, params, x_BLD, positions_BL, mesh, microbatc
     def wire(tree, to=jnp.float32):
         return jax.tree.map(lambda x: x.astype(to) if cpu_bf16 and x.dtype in (jnp.float32, jnp.bfloat16) else x, tree)
 
-    def body(params, xs, positions):
-        out = local(wire(params, dtype), xs.astype(dtype), positions)
+    def body(params, xs, places):
+        out = local(wire(params, dtype), xs.astype(dtype), places)
         return jax.lax.psum(wire(out), AXIS)
 
-    xs, positions = microbatch.split(x_BLD, microbatches), microbatch.split(positions_BL, microbatches)
+    xs, places = microbatch.split(x_BLD, microbatches), microbatch.split_tree(places, microbatches)
     batch = batch_axes(AXIS)
     rows = P(None, batch or None)
     out = jax.shard_map(body, mesh=current_mesh(mesh), in_specs=(param_spec, rows, rows), out_specs=rows,
-                        axis_names={AXIS, *batch}, check_vma=False)(wire(params), wire(xs), positions)
+                        axis_names={AXIS, *batch}, check_vma=False)(wire(params), wire(xs), places)
     return microbatch.merge(out).astype(dtype)
 
 
@@ -133,7 +139,7 @@ def _circular_schedule(stage_fn, stages: int, count: int, repeats: int):
     chunk. What leaves the last stage comes back to stage 0, which parks it until its turn
     (needs M >= P); outputs are taken from the last stage in the final round.
     """
-    def local(params, xs, positions):
+    def local(params, xs, places):
         stage, last, total = jax.lax.axis_index(AXIS), stages - 1, count * repeats
         ring = [(i, (i + 1) % stages) for i in range(stages)]
 
@@ -144,7 +150,7 @@ def _circular_schedule(stage_fn, stages: int, count: int, repeats: int):
             inp = jnp.where(stage == 0, jnp.where(t < count, fresh, parked[t % count]), held)
             work = jnp.clip(t - stage, 0, total - 1)
             chunk = jax.tree.map(lambda p: p[work // count], params)
-            out = stage_fn(chunk, inp, positions[work % count])
+            out = stage_fn(chunk, inp, _take(places, work % count))
             slot = jnp.clip(t - last - (repeats - 1) * count, 0, count - 1)
             ready = (stage == last) & (t - last >= (repeats - 1) * count)
             outputs = outputs.at[slot].set(jnp.where(ready, out, outputs[slot]))
@@ -157,7 +163,7 @@ def _circular_schedule(stage_fn, stages: int, count: int, repeats: int):
     return local
 
 
-def circular(stage_fn, stacked_params, x_BLD, positions_BL, mesh, microbatches: int, repeats: int):
+def circular(stage_fn, stacked_params, x_BLD, places, mesh, microbatches: int, repeats: int):
     """The circular (interleaved) schedule: layer chunk v*P+p runs on device p in round v.
 
     Parameters are stored in their one layout (layers split contiguously over `pipeline`); the
@@ -176,4 +182,4 @@ def circular(stage_fn, stacked_params, x_BLD, positions_BL, mesh, microbatches: 
     def squeeze(params, xs, pos):
         return local(jax.tree.map(lambda p: p[:, 0], params), xs, pos)
 
-    return _over_stages(squeeze, P(None, AXIS), grouped, x_BLD, positions_BL, mesh, microbatches)
+    return _over_stages(squeeze, P(None, AXIS), grouped, x_BLD, places, mesh, microbatches)

@@ -1,0 +1,2 @@
+"""Attention kernels: the blockwise (flash) attention in plain JAX, and the platform kernels that
+share its interface."""
