@@ -70,8 +70,10 @@ def _add_parallelism(c: ml_collections.ConfigDict) -> None:
     c.zero_stage = 0           # also shard over `data`: 1 optimizer state, 2 + gradients, 3 + parameters
     c.pipeline = dict(
         microbatches=4,        # microbatches in flight through the stages when mesh.pipeline > 1 (>= mesh.pipeline)
-        schedule="gpipe",      # gpipe | circular (interleaved: each microbatch passes the stages virtual_stages times)
-        virtual_stages=1,      # layer chunks per device: 1 for gpipe, >= 2 for circular
+        schedule="1f1b",       # gpipe | 1f1b | zero_bubble (1 chunk a device) | circular | interleaved_1f1b
+                               # (virtual_stages chunks) | file (schedule_file): see parallel/schedules.py
+        virtual_stages=1,      # layer chunks per device: 1, or >= 2 for circular and interleaved_1f1b
+        schedule_file="",      # with schedule=file: one line of actions per stage, e.g. "F0 F1 B0 F2 B1 B2"
     )
     c.sharding = dict(
         sequence_parallel=False,  # keep norms/residuals split along length over `tensor` between TP regions

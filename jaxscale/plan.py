@@ -26,7 +26,6 @@ from jaxscale.build import build
 from jaxscale.errors import ConfigError
 from jaxscale.models.moe import expert_param_count
 from jaxscale.offload import HOST
-from jaxscale.parallel.pipeline import bubble_fraction
 from jaxscale.sharding import Layout
 from jaxscale.step import jit_grad_step
 
@@ -79,12 +78,16 @@ def compiled_bytes(run, compiled) -> dict[str, int]:
     return {"params": shard_bytes(state.params), "grads": shard_bytes(grads), "opt_state": shard_bytes(state.opt_state)}
 
 
-def _pipeline_summary(stages: int, pipe) -> dict:
-    if stages == 1:
+def _pipeline_summary(run) -> dict:
+    """The schedule's table, summarised: bubble and microbatches in flight per stage (both from
+    the table the step runs), and its drawing (stages x ticks, F B W or . per tick)."""
+    strategy = run.model.spec.strategy
+    if strategy.pipeline == "none":
         return {"stages": 1, "schedule": None, "microbatches": None, "virtual_stages": None, "bubble_fraction": 0.0}
-    return {"stages": stages, "schedule": pipe.schedule, "microbatches": pipe.microbatches,
-            "virtual_stages": pipe.virtual_stages,
-            "bubble_fraction": bubble_fraction(stages, pipe.microbatches, pipe.virtual_stages)}
+    table = strategy.table()
+    return {"stages": table.stages, "schedule": strategy.pipeline, "microbatches": table.microbatches,
+            "virtual_stages": table.virtual, "ticks": table.ticks, "bubble_fraction": table.bubble(),
+            "in_flight": table.in_flight().tolist(), "drawing": table.draw()}
 
 
 def make_plan(config, platform: str | None = None, devices=None) -> dict:
@@ -101,7 +104,7 @@ def make_plan(config, platform: str | None = None, devices=None) -> dict:
                            + memory.output_size_in_bytes - memory.alias_size_in_bytes)
     state = run.abstract_state
     return {"mesh": dict(run.layout.mesh.shape), "zero_stage": run.layout.zero_stage,
-            "pipeline": _pipeline_summary(run.layout.mesh.shape["pipeline"], config.pipeline),
+            "pipeline": _pipeline_summary(run),
             "platform": platform, "compute_dtype": str(run.step_spec.dtype),
             "num_params": n_params, "compile_s": round(compile_s, 2), "per_device_bytes": per_device,
             "argument_bytes": memory.argument_size_in_bytes,
@@ -171,8 +174,9 @@ def table(plan: dict) -> str:
     pipe = plan["pipeline"]
     if pipe["stages"] > 1:
         rows.append(f"pipeline: {pipe['schedule']}, {pipe['stages']} stages x {pipe['virtual_stages']} virtual x "
-                    f"{pipe['microbatches']} microbatches, bubble {100 * pipe['bubble_fraction']:.1f}% "
-                    "= (P-1)/(V*M+P-1)")
+                    f"{pipe['microbatches']} microbatches in {pipe['ticks']} ticks: bubble "
+                    f"{100 * pipe['bubble_fraction']:.1f}% of stage-ticks, microbatches in flight per stage "
+                    f"{pipe['in_flight']}\n" + pipe["drawing"])
     if plan.get("memory_limit_bytes"):
         where = plan.get("topology", {}).get("name", plan["platform"])
         rows.append(f"{'fits' if plan['fits'] else 'does not fit'}: {_size(plan['per_device_bytes']['total'])} of "

@@ -28,8 +28,8 @@ def _plan(*overrides):
 
 TENSOR4 = ["mesh.data=2", "mesh.tensor=4", "model.num_kv_heads=4"]  # 4 KV heads: the heads split evenly
 SEQUENCE4 = ["mesh.data=2", "mesh.sequence=4"]
-PIPELINE2 = ["mesh.data=4", "mesh.pipeline=2", "model.num_layers=4", "pipeline.microbatches=4",
-             "train.global_batch_size=16"]
+PIPELINE2 = ["mesh.data=4", "mesh.pipeline=2", "model.num_layers=4", "pipeline.schedule=gpipe",
+             "pipeline.microbatches=4", "train.global_batch_size=16"]
 LAYOUTS = {  # name -> (config file, overrides); tiny.py computes in float32 on CPU
     "data8": ["mesh.data=8"], "fsdp8": ["mesh.fsdp=8"], "zero1": ["mesh.data=8", "zero_stage=1"],
     "zero3": ["mesh.data=8", "zero_stage=3"],
@@ -166,17 +166,18 @@ COLLECTIVES_SPEC = {
                              ("reduce-scatter", "sequence"): lambda s: 3 * 2 * s.kv * 2,
                              ("all-reduce", "sequence"): lambda s: 2 * 3 / 4 * (s.w + s.t),
                              ("all-reduce", "data"): lambda s: 2 * 1 / 2 * (s.w + s.t)},
-    # GPipe, P=2 stages, M=4 microbatches: each tick passes a microbatch's activations on (M+P-1
-    # ticks forward, as many back); the last stage's outputs are summed over the stages, and that
-    # sum's and the input's gradients too (3 x A); each stage's gradient is summed over data once.
-    "pipeline2_gpipe": {("collective-permute", "pipeline"): lambda s: 2 * (4 + 1) * s.a / 4,
-                        ("all-reduce", "pipeline"): lambda s: 3 * 2 * 1 / 2 * s.a,
-                        ("all-reduce", "data"): lambda s: 2 * 3 / 4 * (s.w - s.layers * s.layer / 2 + s.t)},
-    # Circular, V=2: V*M+P-1 ticks, and the layers regrouped once a step (all-to-all of half a stage).
-    "pipeline2_circular": {("collective-permute", "pipeline"): lambda s: 2 * (2 * 4 + 1) * s.a / 4,
+    # GPipe, P=2 stages, M=4 microbatches, run by the schedule executor: each of its 2M+2(P-1)
+    # ticks passes one microbatch's activations forward and one's gradients back; each stage's
+    # layer gradients are summed over data once, and the embedding and head gradients (first and
+    # last stage) over data and pipeline together. No activation is summed over the stages.
+    "pipeline2_gpipe": {("collective-permute", "pipeline"): lambda s: 2 * (2 * 4 + 2) * s.a / 4,
+                        ("all-reduce", "data+pipeline"): lambda s: 2 * 7 / 8 * (s.w - s.layers * s.layer),
+                        ("all-reduce", "data"): lambda s: 2 * 3 / 4 * s.layers * s.layer / 2},
+    # Circular, V=2: 2VM+2(P-1) ticks, and the layers regrouped once a step (all-to-all of half a stage).
+    "pipeline2_circular": {("collective-permute", "pipeline"): lambda s: 2 * (2 * 2 * 4 + 2) * s.a / 4,
                            ("all-to-all", "pipeline"): lambda s: 2 * 1 / 2 * s.layers * s.layer / 2,
-                           ("all-reduce", "pipeline"): lambda s: 3 * 2 * 1 / 2 * s.a,
-                           ("all-reduce", "data"): lambda s: 2 * 3 / 4 * (s.w - s.layers * s.layer / 2 + s.t)},
+                           ("all-reduce", "data+pipeline"): lambda s: 2 * 7 / 8 * (s.w - s.layers * s.layer),
+                           ("all-reduce", "data"): lambda s: 2 * 3 / 4 * s.layers * s.layer / 2},
     # Experts: tokens to their experts and back, forward and backward; the expert weights' gradients
     # summed over data only (each device holds its experts), the rest over every device.
     "expert4": {("all-to-all", "expert"): lambda s: 4 * s.moe_layers * 3 / 4 * s.dispatch,
@@ -241,9 +242,12 @@ def test_context_parallelism_cuts_activation_memory():
     assert four <= 0.35 * one, (four, one)
 
 
-def test_pipeline_bubble_is_reported(plans):
-    assert plans["pipeline2_gpipe"]["pipeline"] == {"stages": 2, "schedule": "gpipe", "microbatches": 4,
-                                                    "virtual_stages": 1, "bubble_fraction": pytest.approx(1 / 5)}
+def test_pipeline_schedule_is_drawn_with_its_bubble(plans):
+    gpipe = plans["pipeline2_gpipe"]["pipeline"]
+    assert gpipe["drawing"] == "stage 0: FFFF..BBBB\nstage 1: .FFFFBBBB."
+    assert {k: gpipe[k] for k in ("stages", "schedule", "microbatches", "virtual_stages", "ticks", "in_flight")} == {
+        "stages": 2, "schedule": "gpipe", "microbatches": 4, "virtual_stages": 1, "ticks": 10, "in_flight": [4, 4]}
+    assert gpipe["bubble_fraction"] == pytest.approx(1 / 5)  # (P-1)/(M+P-1): 2 idle ticks in 10
     circular = plans["pipeline2_circular"]["pipeline"]
     assert circular["bubble_fraction"] == pytest.approx(1 / 9)  # (P-1)/(V*M+P-1)
 

@@ -89,16 +89,16 @@ TPU_COLLECTIVES_SPEC = {
     "tensor4_sp": {("all-gather", "tensor"): lambda s: 3 / 4 * L4 * s.a,
                    ("reduce-scatter", "tensor"): lambda s: 3 / 4 * L4 * s.a,
                    ("all-reduce", "data"): lambda s: 2 * 1 / 2 * s.w / 4},
-    "pipeline2_gpipe": {("collective-permute", "pipeline"): lambda s: 2 * (4 + 1) * s.a / 4,
-                        ("all-reduce", "pipeline"): lambda s: 3 * 2 * 1 / 2 * s.a,
-                        ("all-reduce", "data"): lambda s: 2 * 3 / 4 * (s.w - s.layers * s.layer / 2)},
+    "pipeline2_gpipe": {("collective-permute", "pipeline"): lambda s: 2 * (2 * 4 + 2) * s.a / 4,
+                        ("all-reduce", "data+pipeline"): lambda s: 2 * 7 / 8 * (s.w - s.layers * s.layer),
+                        ("all-reduce", "data"): lambda s: 2 * 3 / 4 * s.layers * s.layer / 2},
 }
 TENSOR4 = ["mesh.data=2", "mesh.tensor=4", "model.num_kv_heads=4"]
 TPU_LAYOUTS = {"data8": ["mesh.data=8"], "zero2": ["mesh.data=8", "zero_stage=2"],
                "zero2_accum4": ["mesh.data=8", "zero_stage=2", "train.global_batch_size=32",
                                 "train.grad_accum_steps=4"],
                "tensor4": TENSOR4, "tensor4_sp": [*TENSOR4, "sharding.sequence_parallel=True"],
-               "pipeline2_gpipe": ["mesh.data=4", "mesh.pipeline=2", "model.num_layers=4",
+               "pipeline2_gpipe": ["mesh.data=4", "mesh.pipeline=2", "model.num_layers=4", "pipeline.schedule=gpipe",
                                    "pipeline.microbatches=4", "train.global_batch_size=16"]}
 
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxscale.names import PIPELINE_SCHEDULES as SCHEDULES
+from jaxscale.parallel import schedules
 from jaxscale.sharding import Layout
 
-PIPELINE_SCHEDULES = ("none", "gpipe", "circular")
+PIPELINE_SCHEDULES = ("none", *SCHEDULES)
 CONTEXT_ALGORITHMS = ("none", "ring", "all_gather")
 EXPERT_DISPATCH = ("local", "all_to_all")
 
@@ -23,9 +25,10 @@ class Strategy:
     """How the forward pass is split across devices beyond what sharding rules express."""
 
     layout: Layout | None = None   # the mesh and rules the parallel code paths split over
-    pipeline: str = "none"         # none | gpipe | circular: stages over mesh axis `pipeline`
-    microbatches: int = 1          # pipeline microbatches in flight
-    virtual_stages: int = 1        # layer chunks per device (circular)
+    pipeline: str = "none"         # none | a schedule (names.PIPELINE_SCHEDULES): stages over mesh axis `pipeline`
+    microbatches: int = 1          # pipeline microbatches a step
+    virtual_stages: int = 1        # layer chunks per device (circular, interleaved_1f1b)
+    schedule_file: str = ""        # with pipeline="file": each stage's actions (parallel.schedules.load)
     context: str = "none"          # none | ring | all_gather: attention over mesh axis `sequence`
     experts: str = "local"         # local | all_to_all: MoE tokens exchanged over mesh axis `expert`
 
@@ -40,18 +43,26 @@ class Strategy:
 
     @classmethod
     def for_layout(cls, layout: Layout, *, schedule: str = "gpipe", microbatches: int = 1,
-                   virtual_stages: int = 1, context: str = "ring") -> Strategy:
+                   virtual_stages: int = 1, context: str = "ring", schedule_file: str = "") -> Strategy:
         """The strategy a run on `layout` uses: each algorithm on where its mesh axis is split."""
         shape = layout.mesh.shape
         return cls(layout, pipeline=schedule if shape["pipeline"] > 1 else "none",
                    microbatches=microbatches if shape["pipeline"] > 1 else 1,
                    virtual_stages=virtual_stages if shape["pipeline"] > 1 else 1,
+                   schedule_file=schedule_file if shape["pipeline"] > 1 else "",
                    context=context if shape["sequence"] > 1 else "none",
                    experts="all_to_all" if shape["expert"] > 1 else "local")
 
     @property
     def mesh(self):
         return None if self.layout is None else self.layout.mesh
+
+    def table(self) -> schedules.Table:
+        """The pipeline schedule's checked table (actions per tick and stage)."""
+        stages = self.mesh.shape["pipeline"]
+        if self.pipeline == "file":
+            return schedules.load(self.schedule_file, stages, self.microbatches, self.virtual_stages)
+        return schedules.build(self.pipeline, stages, self.microbatches, self.virtual_stages)
 
     def describe(self) -> str:
         """One line for the run summary, e.g. 'pipeline gpipe x4 microbatches, context ring'."""

@@ -19,7 +19,7 @@ from jaxscale.models.layers import AXES_KEY, INNER, RESIDUAL, Attention, GeluMLP
 from jaxscale.models.moe import STATS, MoE, MoESpec
 from jaxscale.models.precision import compute_dtype
 from jaxscale.models.strategy import Strategy
-from jaxscale.parallel import context, pipeline
+from jaxscale.parallel import context, executor, pipeline
 from jaxscale.sharding import Layout, constrain
 
 REMAT_POLICIES = {
@@ -143,11 +143,7 @@ class Transformer(nnx.Module):
         # The token ids are whole over `tensor` (INNER's split): given ids split along the length
         # over tensor (the batch's sequence-parallel layout), the partitioner gathered the whole
         # table instead (measured on the TPU compiler).
-        tokens_BL = constrain(tokens_BL, INNER[:2])
-        x_BLD = constrain(jnp.take(constrain(self.embed[...], ("vocab", None)), tokens_BL, axis=0), INNER)
-        if self.spec.family == "gpt2":
-            x_BLD = x_BLD + jnp.take(self.pos_embed[...], places.positions, axis=0)
-        x_BLD = constrain(x_BLD, RESIDUAL)
+        x_BLD = self.embed_tokens(tokens_BL, places)
         stats = {}
         if self.spec.moe.num_experts:
             x_BLD, cache, stats = self._scan_groups(x_BLD, places, cache)
@@ -155,10 +151,34 @@ class Transformer(nnx.Module):
             x_BLD = self._scan_layers(x_BLD, places)
         else:
             x_BLD, cache = self._scan_cached(x_BLD, places, cache)
+        return self.logits(x_BLD), cache, stats
+
+    def embed_tokens(self, tokens_BL, places: Placement):
+        """The residual stream's start: token embeddings (and learned positions, gpt2)."""
+        tokens_BL = constrain(tokens_BL, INNER[:2])
+        x_BLD = constrain(jnp.take(constrain(self.embed[...], ("vocab", None)), tokens_BL, axis=0), INNER)
+        if self.spec.family == "gpt2":
+            x_BLD = x_BLD + jnp.take(self.pos_embed[...], places.positions, axis=0)
+        return constrain(x_BLD, RESIDUAL)
+
+    def logits(self, x_BLD):
+        """Float32 logits [B, L, V] of the last layer's output: final norm, then the head."""
         x_BLD = constrain(self.final_norm(x_BLD), INNER)
         w_DV = self.embed[...].T if self.spec.tie_embeddings else self.head[...]
         logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, w_DV, preferred_element_type=jnp.float32)
-        return constrain(logits_BLV, ("batch", "act_length", "act_vocab")), cache, stats
+        return constrain(logits_BLV, ("batch", "act_length", "act_vocab"))
+
+    def stage_fn(self):
+        """run(stacked layer params, x, places) -> x: those layers in order (a scan, remat as set)."""
+        graphdef, _ = nnx.split(self.layers)
+
+        def run_layers(params, x_BLD, places):
+            def layer(x, layer_params):
+                return nnx.merge(graphdef, layer_params)(x, places)[0], None
+
+            return jax.lax.scan(self._remat(layer), x_BLD, params)[0]
+
+        return run_layers
 
     def _remat(self, layer_fn):
         """layer_fn rematerialised in the backward pass as model.remat says (unchanged for 'none')."""
@@ -167,18 +187,13 @@ class Transformer(nnx.Module):
         return jax.checkpoint(layer_fn, policy=REMAT_POLICIES[self.spec.remat], prevent_cse=False)
 
     def _scan_layers(self, x_BLD, places):
-        graphdef, stacked = nnx.split(self.layers)
-
-        def run_layers(params, x_BLD, places):
-            def layer(x, layer_params):
-                return nnx.merge(graphdef, layer_params)(x, places)[0], None
-
-            return jax.lax.scan(self._remat(layer), x_BLD, params)[0]
-
-        s = self.spec.strategy
-        if s.pipeline == "circular":
+        """The layers; under a pipeline, this is the forward-only pass (evaluation, inference):
+        training runs the schedule's own executor (LanguageModel.loss)."""
+        _, stacked = nnx.split(self.layers)
+        run_layers, s = self.stage_fn(), self.spec.strategy
+        if s.pipeline != "none" and s.virtual_stages > 1:
             return pipeline.circular(run_layers, stacked, x_BLD, places, s.mesh, s.microbatches, s.virtual_stages)
-        if s.pipeline == "gpipe":
+        if s.pipeline != "none":
             return pipeline.gpipe(run_layers, stacked, x_BLD, places, s.mesh, s.microbatches)
         return run_layers(stacked, x_BLD, places)
 
@@ -284,12 +299,38 @@ class LanguageModel:
         (zig-zag), which leaves the function and the mean loss unchanged and saves putting the
         logits back in order."""
         (inputs_BL, targets_BL), places, _ = self._lay_out((inputs_BL, targets_BL), segments_BL)
+        if self.spec.strategy.pipeline != "none" and self.spec.strategy.context == "none":
+            loss = self._pipelined_loss(params, inputs_BL, targets_BL, places)
+            return loss, {"loss": loss}
         logits_BLV, stats = self._forward(params, inputs_BL, places)
-        # Targets placed as the logits' rows (whole over `tensor`, as the lookup's ids), so picking
-        # each target's logit stays local to the vocabulary split that holds it.
-        targets_BL = constrain(targets_BL, INNER[:2])
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
+        loss = _cross_entropy(logits_BLV, targets_BL)
         return (loss + self.router_loss(stats) if stats else loss), {"loss": loss, **stats}
+
+    def _pipelined_loss(self, params: dict, inputs_BL, targets_BL, places: Placement):
+        """The mean loss as the pipeline schedule's executor computes it (forward and backward
+        in one table, parallel.executor): the embedding on the first stage, the head and the
+        loss on the last. With context parallelism inside the stages the step differentiates
+        the gpipe or circular forward instead (pipeline.check allows only those then): the
+        executor's stages take different branches at a tick, and the ring's collective
+        permutes inside them deadlocked XLA:CPU, whose permutes meet across all devices."""
+        s = self.spec.strategy
+        outer = {name: value for name, value in params.items() if name != "layers"}
+
+        def model(outer):  # the layers' values are not read: their shapes stand in
+            return nnx.merge(self.graphdef, {**outer, "layers": self.shapes["layers"]})
+
+        def embed(outer, tokens_BL, places):
+            return model(outer).embed_tokens(tokens_BL, places)
+
+        def head_loss(outer, x_BLD, targets_BL):
+            return _cross_entropy(model(outer).logits(x_BLD), targets_BL)
+
+        def primal(stacked, outer, tokens_BL, targets_BL, places):
+            return _cross_entropy(self._forward({**outer, "layers": stacked}, tokens_BL, places)[0], targets_BL)
+
+        fns = (embed, model(outer).stage_fn(), head_loss, lambda x_BLD: constrain(x_BLD, RESIDUAL))
+        loss = executor.pipelined_loss(s.table(), fns, primal, s.mesh)
+        return loss(params["layers"], outer, inputs_BL, targets_BL, places)
 
     def _lay_out(self, arrays_BL: tuple, segments_BL):
         """(arrays, Placement, order): token arrays in natural order, with their positions (from each
@@ -342,6 +383,14 @@ class LanguageModel:
         return nnx.merge(self.graphdef, params)(tokens_BL, Placement(positions_BL), cache)[:2]
 
 
+def _cross_entropy(logits_BLV, targets_BL):
+    """Mean next-token cross entropy. Targets placed as the logits' rows (whole over `tensor`,
+    as the lookup's ids), so picking each target's logit stays local to the vocabulary split
+    that holds it."""
+    targets_BL = constrain(targets_BL, INNER[:2])
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
+
+
 def _unflatten(flat: dict) -> dict:
     tree: dict = {}
     for path, value in flat.items():
@@ -361,5 +410,6 @@ def model_from_config(config, platform: str, layout: Layout | None = None) -> tu
                               config.data.document_mask, config.train.seq_len)
     strategy = Strategy() if layout is None else Strategy.for_layout(
         layout, schedule=config.pipeline.schedule, microbatches=config.pipeline.microbatches,
-        virtual_stages=config.pipeline.virtual_stages, context=m.attention.context_parallel)
+        virtual_stages=config.pipeline.virtual_stages, context=m.attention.context_parallel,
+        schedule_file=config.pipeline.schedule_file)
     return LanguageModel(ModelSpec.from_config(m, impl, strategy)), [note] if note else []

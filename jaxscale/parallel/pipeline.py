@@ -1,4 +1,10 @@
-"""Pipeline parallelism over the `pipeline` mesh axis: the GPipe schedule inside one jitted step.
+"""Pipeline parallelism over the `pipeline` mesh axis: the settings' checks, and the forward
+passes of the GPipe and circular orders as one scan.
+
+Training runs the schedule's table (parallel.schedules) in parallel.executor, forward and
+backward together. The forward passes here serve what is not differentiated (evaluation,
+inference) and, with context parallelism inside the stages (mesh.sequence > 1), training by
+autodiff through them (only gpipe and circular then).
 
 The stacked layer parameters keep their one layout, the `layers` dimension split over
 `pipeline`, so each device's contiguous block of layers is its stage whatever P is. Inside
@@ -6,8 +12,8 @@ shard_map over `pipeline` (and the batch's axes, see `_over_stages`), M microbat
 through the P stages in M+P-1 ticks: at each tick every stage runs its layers on what it holds
 and passes the result to the next stage with a collective permute. The first stage takes
 microbatch t at tick t; the last stage's outputs are collected and summed over the axis (only
-it contributes), so every stage continues with the same activations. Bubble: (P-1)/(M+P-1) of
-the ticks do no useful work.
+it contributes), so every stage continues with the same activations. Differentiated, the scan
+keeps every microbatch's stage input (memory grows with M).
 """
 
 from __future__ import annotations
@@ -16,11 +22,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.errors import require, require_positive
+from jaxscale.errors import ConfigError, require, require_positive
 from jaxscale.names import BATCH_AXES, PIPELINE_SCHEDULES, split_ways
-from jaxscale.parallel import batch_axes, constrain, current_mesh, microbatch
+from jaxscale.parallel import batch_axes, constrain, current_mesh, microbatch, schedules
 
 AXIS = "pipeline"
+ONE_CHUNK = ("gpipe", "1f1b", "zero_bubble")
+INTERLEAVED = ("circular", "interleaved_1f1b")
 
 
 def check(config, sizes) -> None:
@@ -28,13 +36,24 @@ def check(config, sizes) -> None:
     and the batch; raises ConfigError naming the field to change."""
     p = config.pipeline
     require_positive(config, ("pipeline.microbatches", "pipeline.virtual_stages"))
-    require(p.schedule in PIPELINE_SCHEDULES, "pipeline.schedule", p.schedule, "choose gpipe or circular")
-    require(p.schedule != "gpipe" or p.virtual_stages == 1, "pipeline.virtual_stages", p.virtual_stages,
-            "gpipe runs one stage per device; set it to 1 or use pipeline.schedule=circular")
-    require(p.schedule != "circular" or p.virtual_stages > 1, "pipeline.virtual_stages", p.virtual_stages,
-            "the circular schedule needs 2 or more layer chunks per device")
+    require(p.schedule in PIPELINE_SCHEDULES, "pipeline.schedule", p.schedule,
+            f"choose one of {', '.join(PIPELINE_SCHEDULES)}")
+    require(p.schedule not in ONE_CHUNK or p.virtual_stages == 1, "pipeline.virtual_stages", p.virtual_stages,
+            f"{p.schedule} runs one layer chunk per device; set it to 1 or use pipeline.schedule=interleaved_1f1b")
+    require(p.schedule not in INTERLEAVED or p.virtual_stages > 1, "pipeline.virtual_stages", p.virtual_stages,
+            f"the {p.schedule} schedule needs 2 or more layer chunks per device")
+    require(p.schedule != "file" or bool(p.schedule_file), "pipeline.schedule_file", p.schedule_file,
+            "pipeline.schedule=file needs the path of a schedule file (one line of actions per stage)")
     if sizes[AXIS] > 1:
         _check_stages(config, sizes)
+        require(sizes["sequence"] == 1 or p.schedule in ("gpipe", "circular"), "pipeline.schedule", p.schedule,
+                "with mesh.sequence > 1 the stages run by autodiff through the gpipe or circular forward "
+                "(the schedule executor does not take context parallelism yet); choose gpipe or circular")
+        if p.schedule == "file":
+            try:
+                schedules.load(p.schedule_file, sizes[AXIS], p.microbatches, p.virtual_stages)
+            except (OSError, schedules.ScheduleError) as error:
+                raise ConfigError("pipeline.schedule_file", p.schedule_file, str(error)) from None
 
 
 def _check_stages(config, sizes) -> None:
@@ -50,11 +69,6 @@ def _check_stages(config, sizes) -> None:
             f"each accumulation step's {micro} sequences must split into {p.microbatches} microbatches "
             f"over {shards} batch shards; make train.global_batch_size a multiple of "
             f"{p.microbatches * shards * t.grad_accum_steps}")
-
-
-def bubble_fraction(stages: int, microbatches: int, virtual_stages: int = 1) -> float:
-    """Share of stage-ticks idle: (P-1)/(V*M+P-1); V=1 is GPipe."""
-    return (stages - 1) / (virtual_stages * microbatches + stages - 1)
 
 
 def _take(tree, index):
@@ -92,7 +106,7 @@ def gpipe(stage_fn, stacked_params, x_BLD, places, mesh, microbatches: int):
     first, split over `pipeline`.
     """
     stages = mesh.shape[AXIS]
-    local = _schedule(jax.checkpoint(stage_fn), stages, microbatches)  # remat per stage: memory ~ P, not M
+    local = _schedule(jax.checkpoint(stage_fn), stages, microbatches)  # remat per stage
     return _over_stages(local, P(AXIS), stacked_params, x_BLD, places, mesh, microbatches)
 
 

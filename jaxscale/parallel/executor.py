@@ -1,0 +1,276 @@
+"""One SPMD executor for every pipeline schedule: it runs a `schedules.Table` inside shard_map
+over `pipeline`, forward and backward together, so the activations held are what the table
+says (its microbatches in flight), not all M.
+
+Each device scans the table's ticks and at each one takes its stage's action, by lax.switch:
+- F: the forward of its layer chunk on a microbatch, on the input that arrived from the
+  previous stage (the first virtual stage embeds the tokens instead); the input is kept in a
+  stash slot until the backward; the output is sent on.
+- B: the backward of that chunk by jax.vjp, recomputing its forward from the kept input (the
+  stage is rematerialised whole, as GPipe's checkpointed stage was); the last virtual stage
+  runs the final norm, the head and the loss here, so no stage's logits are kept; the first adds
+  the embedding's gradient. The input gradient is sent back. When the table splits W off
+  (zero-bubble), B computes the input gradient only and W the weight gradient later.
+Every tick sends one message each way (collective permutes: stage s to s+1, and back); the
+receiver files it in the stash slot the table assigned. Stash slots are given out per stage
+from the table before tracing (`_Plan`), so their count is the table's peak in flight.
+
+The embedding runs only on the first stage and the head and loss only on the last: no stage
+computes another's work and no activation is summed over `pipeline`. At the end the loss and
+the gradients of the embedding and head (parameter-sized) are summed over `pipeline`, and
+everything over the batch's axes.
+
+`pipelined_loss` wraps the executor as a jax.custom_vjp: its forward pass runs the table and
+keeps the gradients; the backward scales them by the incoming cotangent. Evaluated without
+differentiation, it runs `primal` instead (a forward-only pass).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxscale.parallel import batch_axes, current_mesh
+from jaxscale.parallel.schedules import B, F, Table, W
+
+AXIS = "pipeline"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Per (tick, stage) int32 arrays [T, P] the executor reads: the action (kind, microbatch,
+    chunk, first/last virtual stage), the stash slots it reads, and where the messages arriving
+    at that tick are filed (-1: none)."""
+
+    kind: np.ndarray
+    micro: np.ndarray
+    chunk: np.ndarray
+    first: np.ndarray
+    last: np.ndarray
+    x_slot: np.ndarray
+    g_slot: np.ndarray
+    x_arrives: np.ndarray
+    g_arrives: np.ndarray
+    x_slots: int
+    g_slots: int
+
+
+def plan(table: Table) -> _Plan:
+    """Stash slots for the table: an input kept from its arrival (or, for the first virtual
+    stage, its F) to its last use; an output gradient from its arrival to its last use."""
+    P, V = table.stages, table.virtual
+    last_vstage, final = P * V - 1, W if table.split_backward else B
+    times = table.times()
+    shape = table.kind.shape
+    x_slot, g_slot, x_arrives, g_arrives = (np.full(shape, -1, np.int32) for _ in range(4))
+    x_live, g_live = [], []  # (stage, start, end, micro, vstage)
+    for (kind, m, j), t in times.items():
+        if kind != F:
+            continue
+        start = t if j == 0 else times[(F, m, j - 1)] + 1
+        x_live.append((j % P, start, times[(final, m, j)], m, j))
+        if j < last_vstage:
+            g_live.append((j % P, times[(B, m, j + 1)] + 1, times[(final, m, j)], m, j))
+    x_of, x_count = _allocate(x_live, P)
+    g_of, g_count = _allocate(g_live, P)
+    for (s, start, _, m, j) in x_live:
+        if j:
+            x_arrives[start, s] = x_of[(m, j)]
+    for (s, start, _, m, j) in g_live:
+        g_arrives[start, s] = g_of[(m, j)]
+    for t, s in zip(*np.nonzero(table.kind)):
+        m, j = int(table.micro[t, s]), int(table.vstage[t, s])
+        x_slot[t, s] = x_of[(m, j)]
+        g_slot[t, s] = g_of.get((m, j), 0)
+    return _Plan(table.kind.astype(np.int32), table.micro.astype(np.int32), (table.vstage // P).astype(np.int32),
+                 (table.vstage == 0).astype(np.int32), (table.vstage == last_vstage).astype(np.int32),
+                 x_slot, np.maximum(g_slot, 0), x_arrives, g_arrives, max(x_count, 1), max(g_count, 1))
+
+
+def _allocate(intervals, stages: int) -> tuple[dict, int]:
+    """Slots per stage for [start, end] intervals (greedy by start): {(micro, vstage): slot}, and
+    the most any stage needs."""
+    slots, most = {}, 0
+    for s in range(stages):
+        free_at: list[int] = []  # per slot: the first tick it is free again
+        for (_, start, end, m, j) in sorted(i for i in intervals if i[0] == s):
+            slot = next((k for k, t in enumerate(free_at) if t <= start), len(free_at))
+            free_at[slot:slot + 1] = [end + 1]
+            slots[(m, j)] = slot
+        most = max(most, len(free_at))
+    return slots, most
+
+
+def _add_at(tree, index, update):
+    return jax.tree.map(lambda t, u: t.at[index].add(u.astype(t.dtype)), tree, update)
+
+
+def _zeros32(tree):
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
+
+
+def _local(the_plan: _Plan, fns, stages: int, split: bool):
+    """The per-device loop: (chunks, outer, tokens, targets, places) -> (loss sum, chunk grads, outer grads)."""
+    embed, stage_fn, head_loss, place = fns
+    columns = {name: jnp.asarray(getattr(the_plan, name)) for name in
+               ("kind", "micro", "chunk", "first", "last", "x_slot", "g_slot", "x_arrives", "g_arrives")}
+
+    def run(chunks, outer, tokens, targets, places):
+        me = jax.lax.axis_index(AXIS)
+
+        def take(m):
+            return jax.tree.map(lambda p: p[m], places)
+
+        def chunk_of(c):
+            return jax.tree.map(lambda p: p[c], chunks)
+
+        def through(m):  # a chunk's forward on microbatch m, as a function of (its params, its input)
+            return lambda p, x: stage_fn(p, x, take(m))
+
+        def with_head(m):  # the last chunk's forward, head and loss
+            return lambda p, o, x: head_loss(o, stage_fn(p, x, take(m)), targets[m])
+
+        x0 = jax.eval_shape(embed, outer, tokens[0], take(0))
+        zeros = place(jnp.zeros(x0.shape, x0.dtype))
+
+        def forward(a, state):
+            xs, gs, g_chunks, g_outer, loss = state
+            x = jax.lax.cond(a["first"] == 1, lambda: place(embed(outer, tokens[a["micro"]], take(a["micro"]))),
+                             lambda: place(xs[a["x_slot"]]))
+            xs = xs.at[a["x_slot"]].set(x)
+            y = jax.lax.cond(a["last"] == 1, lambda: zeros,
+                             lambda: place(stage_fn(chunk_of(a["chunk"]), x, take(a["micro"]))))
+            return (xs, gs, g_chunks, g_outer, loss), (y, zeros)
+
+        def grads(a, xs, gs, want_params: bool, want_input: bool):
+            """(param grads, outer grads, input grad, loss) of the action's chunk on its microbatch."""
+            c, m, x = a["chunk"], a["micro"], xs[a["x_slot"]]
+
+            def at_last():
+                loss, vjp = jax.vjp(with_head(m), chunk_of(c), outer, x)
+                dp, do, dx = vjp(jnp.ones((), loss.dtype))
+                return dp, do, place(dx), loss.astype(jnp.float32)
+
+            def inside():
+                _, vjp = jax.vjp(through(m), chunk_of(c), x)
+                dp, dx = vjp(gs[a["g_slot"]])
+                return dp, jax.tree.map(jnp.zeros_like, outer), place(dx), jnp.zeros((), jnp.float32)
+
+            dp, do, dx, loss = jax.lax.cond(a["last"] == 1, at_last, inside)
+            if want_input:
+                def embedding_grad():
+                    return jax.vjp(lambda o: embed(o, tokens[m], take(m)), outer)[1](dx)[0]
+                de = jax.lax.cond(a["first"] == 1, embedding_grad, lambda: jax.tree.map(jnp.zeros_like, outer))
+                do = jax.tree.map(jnp.add, do, de) if want_params else de
+            return dp, do, dx, loss
+
+        def backward(a, state, want_params=True):
+            xs, gs, g_chunks, g_outer, loss = state
+            dp, do, dx, step_loss = grads(a, xs, gs, want_params, True)
+            if want_params:
+                g_chunks = _add_at(g_chunks, a["chunk"], dp)
+            g_outer = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), g_outer, do)
+            return (xs, gs, g_chunks, g_outer, loss + step_loss), (zeros, dx.astype(zeros.dtype))
+
+        def weight(a, state):
+            xs, gs, g_chunks, g_outer, loss = state
+            dp, do, _, _ = grads(a, xs, gs, True, False)
+            g_chunks = _add_at(g_chunks, a["chunk"], dp)
+            g_outer = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), g_outer, do)
+            return (xs, gs, g_chunks, g_outer, loss), (zeros, zeros)
+
+        def idle(a, state):
+            return state, (zeros, zeros)
+
+        branches = [idle, forward, functools.partial(backward, want_params=not split), weight]
+        ahead = [(i, (i + 1) % stages) for i in range(stages)]
+        behind = [((i + 1) % stages, i) for i in range(stages)]
+
+        def tick(carry, row):
+            state, x_in, g_in = carry
+            a = {name: value[me] for name, value in row.items()}
+            xs, gs, *rest = state
+            xs = _file(xs, a["x_arrives"], x_in)
+            gs = _file(gs, a["g_arrives"], g_in)
+            state, (x_out, g_out) = jax.lax.switch(a["kind"], branches, a, (xs, gs, *rest))
+            return (state, jax.lax.ppermute(x_out, AXIS, ahead), jax.lax.ppermute(g_out, AXIS, behind)), None
+
+        stash = functools.partial(jnp.zeros, dtype=x0.dtype)
+        state = (stash((the_plan.x_slots, *x0.shape)), stash((the_plan.g_slots, *x0.shape)),
+                 _zeros32(chunks), _zeros32(outer), jnp.zeros((), jnp.float32))
+        (state, _, _), _ = jax.lax.scan(tick, (state, zeros, zeros), columns)
+        _, _, g_chunks, g_outer, loss = state
+        return loss, g_chunks, g_outer
+
+    return run
+
+
+def _file(stash, slot, message):
+    """The stash with the arrived message in `slot` (unchanged when slot is -1)."""
+    at = jnp.maximum(slot, 0)
+    return stash.at[at].set(jnp.where(slot >= 0, message, stash[at]))
+
+
+def run(table: Table, fns, stacked, outer, tokens_BL, targets_BL, places, mesh):
+    """(mean loss, gradients of the stacked layer params, of the outer params): the schedule run
+    over `pipeline` on M = table.microbatches microbatches of the batch. fns = (embed(outer,
+    tokens, places) -> x, stage(chunk params, x, places) -> x, head_loss(outer, x, targets) ->
+    mean loss of the microbatch's rows, place(x) -> x laid out as the model's activations: every
+    branch of the executor's conditionals states it, or the partitioner sees branches disagree);
+    stacked has the layer dimension first, split over
+    `pipeline`; places is a pytree of [B, L] arrays (positions, segment ids)."""
+    from jaxscale.parallel import microbatch
+
+    stages, virtual, count = table.stages, table.virtual, table.microbatches
+    the_plan = plan(table)
+    local = _local(the_plan, fns, stages, table.split_backward)
+    batch = batch_axes(AXIS)
+    shards = int(np.prod([current_mesh(mesh).shape[a] for a in batch])) if batch else 1
+
+    def regroup(p):  # [L, ...] -> [V, P, L/(PV), ...]: virtual stage j = c*P + s on device s
+        return p.reshape(virtual, stages, p.shape[0] // (virtual * stages), *p.shape[1:])
+
+    def body(chunks, outer, tokens, targets, places):
+        chunks = jax.tree.map(lambda p: p[:, 0], chunks)
+        loss, g_chunks, g_outer = local(chunks, outer, tokens, targets, places)
+        scale = 1.0 / (count * shards)
+        loss = jax.lax.psum(loss, (AXIS, *batch)) * scale
+        g_outer = jax.tree.map(lambda g: jax.lax.psum(g, (AXIS, *batch)) * scale, g_outer)
+        g_chunks = jax.tree.map(lambda g: (jax.lax.psum(g, batch) if batch else g)[:, None] * scale, g_chunks)
+        return loss, g_chunks, g_outer
+
+    rows = P(None, batch or None)
+    split = functools.partial(microbatch.split, count=count)
+    args = (jax.tree.map(regroup, stacked), outer, split(tokens_BL), split(targets_BL), jax.tree.map(split, places))
+    specs = (P(None, AXIS), P(), rows, rows, jax.tree.map(lambda _: rows, places))
+    loss, g_chunks, g_outer = jax.shard_map(
+        body, mesh=current_mesh(mesh), in_specs=specs, out_specs=(P(), P(None, AXIS), P()),
+        axis_names={AXIS, *batch}, check_vma=False)(*args)
+    g_stacked = jax.tree.map(lambda g, p: g.reshape(p.shape).astype(p.dtype), g_chunks, stacked)
+    return loss, g_stacked, jax.tree.map(lambda g, p: g.astype(p.dtype), g_outer, outer)
+
+
+def pipelined_loss(table: Table, fns, primal, mesh):
+    """loss(stacked, outer, tokens, targets, places) as a jax.custom_vjp: differentiated, the
+    table runs forward and backward together (`run`); evaluated alone, primal(...) does."""
+    @jax.custom_vjp
+    def loss(stacked, outer, tokens, targets, places):
+        return primal(stacked, outer, tokens, targets, places)
+
+    def forward(stacked, outer, tokens, targets, places):
+        value, g_stacked, g_outer = run(table, fns, stacked, outer, tokens, targets, places, mesh)
+        return value, (g_stacked, g_outer, tokens, targets, places)
+
+    def backward(residuals, cotangent):
+        g_stacked, g_outer, tokens, targets, places = residuals
+        scale = functools.partial(jax.tree.map, lambda g: (g * cotangent).astype(g.dtype))
+        zero = functools.partial(jax.tree.map, lambda x: np.zeros(x.shape, jax.dtypes.float0))
+        return scale(g_stacked), scale(g_outer), zero(tokens), zero(targets), zero(places)
+
+    loss.defvjp(forward, backward)
+    return loss
