@@ -131,6 +131,23 @@ def test_every_schedule_equals_one_device(deep_reference, optim_cfg, name):
                  deep_reference, rtol=1e-5)
 
 
+DEEPER = ModelSpec(**{**SPEC.__dict__, "num_layers": 8})
+
+
+@pytest.fixture(scope="module")
+def deeper_reference(optim_cfg):
+    return _run(_layout(1, spec=DEEPER), 1, optim_cfg, steps=3, spec=DEEPER)
+
+
+@pytest.mark.parametrize("schedule", ["circular", "interleaved_1f1b"])
+def test_interleaved_schedules_on_four_stages_equal_one_device(deeper_reference, optim_cfg, schedule):
+    """V=2 chunks on each of 4 stages (8 layers): the interleaved tables on P=4."""
+    reference = deeper_reference
+    strategy = dict(schedule=schedule, microbatches=4, virtual_stages=2)
+    _assert_same(_run(_layout(spec=DEEPER, pipeline=4), 1, optim_cfg, steps=3, spec=DEEPER, strategy=strategy),
+                 reference, rtol=1e-5)
+
+
 def test_a_schedule_from_a_file_equals_one_device(deep_reference, optim_cfg, tmp_path):
     """A user's table (1F1B with the weight gradients split off and put off) runs as the named ones."""
     path = tmp_path / "schedule.txt"
