@@ -29,13 +29,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.parallel import batch_axes, current_mesh
+from jaxscale.parallel import batch_axes, current_mesh, microbatch
 from jaxscale.parallel.schedules import B, F, Table, W
 
 AXIS = "pipeline"
@@ -106,108 +108,127 @@ def _allocate(intervals, stages: int) -> tuple[dict, int]:
     return slots, most
 
 
-def _add_at(tree, index, update):
-    return jax.tree.map(lambda t, u: t.at[index].add(u.astype(t.dtype)), tree, update)
+class _State(NamedTuple):
+    """What a device carries from tick to tick."""
+
+    xs: jax.Array        # [x slots, b, L, D]: stage inputs kept until their backward
+    gs: jax.Array        # [g slots, b, L, D]: output gradients kept until used
+    g_chunks: dict       # float32 gradients of this device's layer chunks, [V, ...]
+    g_outer: dict        # float32 gradients of the embedding, final norm and head
+    loss: jax.Array      # float32 sum of the microbatch losses computed here
 
 
-def _zeros32(tree):
-    return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree)
+class _Device:
+    """One device inside the map: its layer chunks, the outer parameters, its microbatches, and
+    one method per action kind, each (action row, state) -> (state, (sent ahead, sent back))."""
+
+    def __init__(self, fns, chunks, outer, tokens, targets, places):
+        self.embed, self.stage, self.head_loss, self.place = fns
+        self.chunks, self.outer, self.tokens, self.targets, self.places = chunks, outer, tokens, targets, places
+        x0 = jax.eval_shape(self.embed, outer, tokens[0], self.take(0))
+        self.zeros = self.place(jnp.zeros(x0.shape, x0.dtype))
+
+    def take(self, m):
+        return jax.tree.map(lambda p: p[m], self.places)
+
+    def chunk(self, c):
+        return jax.tree.map(lambda p: p[c], self.chunks)
+
+    def start(self, slots: _Plan) -> _State:
+        stash = functools.partial(jnp.zeros, dtype=self.zeros.dtype)
+        zeros32 = functools.partial(jax.tree.map, lambda x: jnp.zeros(x.shape, jnp.float32))
+        return _State(stash((slots.x_slots, *self.zeros.shape)), stash((slots.g_slots, *self.zeros.shape)),
+                      zeros32(self.chunks), zeros32(self.outer), jnp.zeros((), jnp.float32))
+
+    def idle(self, a, state: _State):
+        return state, (self.zeros, self.zeros)
+
+    def forward(self, a, state: _State):
+        """The chunk's forward on the input that arrived (or the embedded tokens), which is kept;
+        the last chunk only keeps it: its forward runs in its backward, with the head and loss."""
+        m = a["micro"]
+        x = jax.lax.cond(a["first"] == 1, lambda: self.place(self.embed(self.outer, self.tokens[m], self.take(m))),
+                         lambda: self.place(state.xs[a["x_slot"]]))
+        y = jax.lax.cond(a["last"] == 1, lambda: self.zeros,
+                         lambda: self.place(self.stage(self.chunk(a["chunk"]), x, self.take(m))))
+        return state._replace(xs=state.xs.at[a["x_slot"]].set(x)), (y, self.zeros)
+
+    def backward(self, a, state: _State, with_weights: bool = True):
+        """The input gradient, sent back and, on the first chunk, on into the embedding; the
+        weight gradients too unless W runs them apart."""
+        dp, do, dx, loss = self._grads(a, state)
+        de = self._into_embedding(a, dx)
+        if with_weights:
+            state = self._add(state, a, dp, jax.tree.map(jnp.add, do, de))
+        else:
+            state = self._add(state, a, None, de)
+        return state._replace(loss=state.loss + loss), (self.zeros, dx.astype(self.zeros.dtype))
+
+    def weight(self, a, state: _State):
+        dp, do, _, _ = self._grads(a, state)
+        return self._add(state, a, dp, do), (self.zeros, self.zeros)
+
+    def _no_outer(self):
+        return jax.tree.map(jnp.zeros_like, self.outer)
+
+    def _grads(self, a, state: _State):
+        """(chunk grads, outer grads, input grad, loss) of the action's chunk on its microbatch, by
+        jax.vjp from the kept input (the last chunk with the head and loss). What a caller drops
+        (B without W's grads, W's input grad) XLA removes."""
+        c, m, x = a["chunk"], a["micro"], state.xs[a["x_slot"]]
+
+        def at_last():
+            loss, vjp = jax.vjp(lambda p, o, x: self.head_loss(o, self.stage(p, x, self.take(m)), self.targets[m]),
+                                self.chunk(c), self.outer, x)
+            dp, do, dx = vjp(jnp.ones((), loss.dtype))
+            return dp, do, self.place(dx), loss.astype(jnp.float32)
+
+        def inside():
+            _, vjp = jax.vjp(lambda p, x: self.stage(p, x, self.take(m)), self.chunk(c), x)
+            dp, dx = vjp(state.gs[a["g_slot"]])
+            return dp, self._no_outer(), self.place(dx), jnp.zeros((), jnp.float32)
+
+        return jax.lax.cond(a["last"] == 1, at_last, inside)
+
+    def _into_embedding(self, a, dx):
+        """The outer grads of the first chunk's input grad dx (the embedding's); zeros elsewhere."""
+        m = a["micro"]
+
+        def into():
+            return jax.vjp(lambda o: self.embed(o, self.tokens[m], self.take(m)), self.outer)[1](dx)[0]
+
+        return jax.lax.cond(a["first"] == 1, into, self._no_outer)
+
+    @staticmethod
+    def _add(state: _State, a, dp, do) -> _State:
+        """The state with chunk grads dp (None: none) and outer grads do added, in float32."""
+        g_outer = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), state.g_outer, do)
+        if dp is None:
+            return state._replace(g_outer=g_outer)
+        g_chunks = jax.tree.map(lambda g, d: g.at[a["chunk"]].add(d.astype(g.dtype)), state.g_chunks, dp)
+        return state._replace(g_chunks=g_chunks, g_outer=g_outer)
 
 
-def _local(the_plan: _Plan, fns, stages: int, split: bool):
-    """The per-device loop: (chunks, outer, tokens, targets, places) -> (loss sum, chunk grads, outer grads)."""
-    embed, stage_fn, head_loss, place = fns
+def _run_table(the_plan: _Plan, device: _Device, stages: int, split: bool):
+    """The per-device loop over the table's ticks: (loss sum, chunk grads, outer grads)."""
+    me = jax.lax.axis_index(AXIS)
     columns = {name: jnp.asarray(getattr(the_plan, name)) for name in
                ("kind", "micro", "chunk", "first", "last", "x_slot", "g_slot", "x_arrives", "g_arrives")}
+    branches = [device.idle, device.forward, functools.partial(device.backward, with_weights=not split),
+                device.weight]
+    ahead = [(i, (i + 1) % stages) for i in range(stages)]
+    behind = [((i + 1) % stages, i) for i in range(stages)]
 
-    def run(chunks, outer, tokens, targets, places):
-        me = jax.lax.axis_index(AXIS)
+    def tick(carry, row):
+        state, x_in, g_in = carry
+        a = {name: value[me] for name, value in row.items()}
+        state = state._replace(xs=_file(state.xs, a["x_arrives"], x_in), gs=_file(state.gs, a["g_arrives"], g_in))
+        state, (x_out, g_out) = jax.lax.switch(a["kind"], branches, a, state)
+        return (state, jax.lax.ppermute(x_out, AXIS, ahead), jax.lax.ppermute(g_out, AXIS, behind)), None
 
-        def take(m):
-            return jax.tree.map(lambda p: p[m], places)
-
-        def chunk_of(c):
-            return jax.tree.map(lambda p: p[c], chunks)
-
-        def through(m):  # a chunk's forward on microbatch m, as a function of (its params, its input)
-            return lambda p, x: stage_fn(p, x, take(m))
-
-        def with_head(m):  # the last chunk's forward, head and loss
-            return lambda p, o, x: head_loss(o, stage_fn(p, x, take(m)), targets[m])
-
-        x0 = jax.eval_shape(embed, outer, tokens[0], take(0))
-        zeros = place(jnp.zeros(x0.shape, x0.dtype))
-
-        def forward(a, state):
-            xs, gs, g_chunks, g_outer, loss = state
-            x = jax.lax.cond(a["first"] == 1, lambda: place(embed(outer, tokens[a["micro"]], take(a["micro"]))),
-                             lambda: place(xs[a["x_slot"]]))
-            xs = xs.at[a["x_slot"]].set(x)
-            y = jax.lax.cond(a["last"] == 1, lambda: zeros,
-                             lambda: place(stage_fn(chunk_of(a["chunk"]), x, take(a["micro"]))))
-            return (xs, gs, g_chunks, g_outer, loss), (y, zeros)
-
-        def grads(a, xs, gs, want_params: bool, want_input: bool):
-            """(param grads, outer grads, input grad, loss) of the action's chunk on its microbatch."""
-            c, m, x = a["chunk"], a["micro"], xs[a["x_slot"]]
-
-            def at_last():
-                loss, vjp = jax.vjp(with_head(m), chunk_of(c), outer, x)
-                dp, do, dx = vjp(jnp.ones((), loss.dtype))
-                return dp, do, place(dx), loss.astype(jnp.float32)
-
-            def inside():
-                _, vjp = jax.vjp(through(m), chunk_of(c), x)
-                dp, dx = vjp(gs[a["g_slot"]])
-                return dp, jax.tree.map(jnp.zeros_like, outer), place(dx), jnp.zeros((), jnp.float32)
-
-            dp, do, dx, loss = jax.lax.cond(a["last"] == 1, at_last, inside)
-            if want_input:
-                def embedding_grad():
-                    return jax.vjp(lambda o: embed(o, tokens[m], take(m)), outer)[1](dx)[0]
-                de = jax.lax.cond(a["first"] == 1, embedding_grad, lambda: jax.tree.map(jnp.zeros_like, outer))
-                do = jax.tree.map(jnp.add, do, de) if want_params else de
-            return dp, do, dx, loss
-
-        def backward(a, state, want_params=True):
-            xs, gs, g_chunks, g_outer, loss = state
-            dp, do, dx, step_loss = grads(a, xs, gs, want_params, True)
-            if want_params:
-                g_chunks = _add_at(g_chunks, a["chunk"], dp)
-            g_outer = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), g_outer, do)
-            return (xs, gs, g_chunks, g_outer, loss + step_loss), (zeros, dx.astype(zeros.dtype))
-
-        def weight(a, state):
-            xs, gs, g_chunks, g_outer, loss = state
-            dp, do, _, _ = grads(a, xs, gs, True, False)
-            g_chunks = _add_at(g_chunks, a["chunk"], dp)
-            g_outer = jax.tree.map(lambda g, d: g + d.astype(jnp.float32), g_outer, do)
-            return (xs, gs, g_chunks, g_outer, loss), (zeros, zeros)
-
-        def idle(a, state):
-            return state, (zeros, zeros)
-
-        branches = [idle, forward, functools.partial(backward, want_params=not split), weight]
-        ahead = [(i, (i + 1) % stages) for i in range(stages)]
-        behind = [((i + 1) % stages, i) for i in range(stages)]
-
-        def tick(carry, row):
-            state, x_in, g_in = carry
-            a = {name: value[me] for name, value in row.items()}
-            xs, gs, *rest = state
-            xs = _file(xs, a["x_arrives"], x_in)
-            gs = _file(gs, a["g_arrives"], g_in)
-            state, (x_out, g_out) = jax.lax.switch(a["kind"], branches, a, (xs, gs, *rest))
-            return (state, jax.lax.ppermute(x_out, AXIS, ahead), jax.lax.ppermute(g_out, AXIS, behind)), None
-
-        stash = functools.partial(jnp.zeros, dtype=x0.dtype)
-        state = (stash((the_plan.x_slots, *x0.shape)), stash((the_plan.g_slots, *x0.shape)),
-                 _zeros32(chunks), _zeros32(outer), jnp.zeros((), jnp.float32))
-        (state, _, _), _ = jax.lax.scan(tick, (state, zeros, zeros), columns)
-        _, _, g_chunks, g_outer, loss = state
-        return loss, g_chunks, g_outer
-
-    return run
+    zeros = device.zeros
+    (state, _, _), _ = jax.lax.scan(tick, (device.start(the_plan), zeros, zeros), columns)
+    return state.loss, state.g_chunks, state.g_outer
 
 
 def _file(stash, slot, message):
@@ -222,27 +243,22 @@ def run(table: Table, fns, stacked, outer, tokens_BL, targets_BL, places, mesh):
     tokens, places) -> x, stage(chunk params, x, places) -> x, head_loss(outer, x, targets) ->
     mean loss of the microbatch's rows, place(x) -> x laid out as the model's activations: every
     branch of the executor's conditionals states it, or the partitioner sees branches disagree);
-    stacked has the layer dimension first, split over
-    `pipeline`; places is a pytree of [B, L] arrays (positions, segment ids)."""
-    from jaxscale.parallel import microbatch
-
+    stacked has the layer dimension first, split over `pipeline`; places is a pytree of [B, L]
+    arrays (positions, segment ids)."""
     stages, virtual, count = table.stages, table.virtual, table.microbatches
-    the_plan = plan(table)
-    local = _local(the_plan, fns, stages, table.split_backward)
-    batch = batch_axes(AXIS)
-    shards = int(np.prod([current_mesh(mesh).shape[a] for a in batch])) if batch else 1
+    the_plan, batch = plan(table), batch_axes(AXIS)
+    scale = 1.0 / (count * math.prod(current_mesh(mesh).shape[a] for a in batch))
 
     def regroup(p):  # [L, ...] -> [V, P, L/(PV), ...]: virtual stage j = c*P + s on device s
         return p.reshape(virtual, stages, p.shape[0] // (virtual * stages), *p.shape[1:])
 
     def body(chunks, outer, tokens, targets, places):
-        chunks = jax.tree.map(lambda p: p[:, 0], chunks)
-        loss, g_chunks, g_outer = local(chunks, outer, tokens, targets, places)
-        scale = 1.0 / (count * shards)
-        loss = jax.lax.psum(loss, (AXIS, *batch)) * scale
-        g_outer = jax.tree.map(lambda g: jax.lax.psum(g, (AXIS, *batch)) * scale, g_outer)
-        g_chunks = jax.tree.map(lambda g: (jax.lax.psum(g, batch) if batch else g)[:, None] * scale, g_chunks)
-        return loss, g_chunks, g_outer
+        device = _Device(fns, jax.tree.map(lambda p: p[:, 0], chunks), outer, tokens, targets, places)
+        loss, g_chunks, g_outer = _run_table(the_plan, device, stages, table.split_backward)
+        everywhere = (AXIS, *batch)
+        return (jax.lax.psum(loss, everywhere) * scale,
+                jax.tree.map(lambda g: (jax.lax.psum(g, batch) if batch else g)[:, None] * scale, g_chunks),
+                jax.tree.map(lambda g: jax.lax.psum(g, everywhere) * scale, g_outer))
 
     rows = P(None, batch or None)
     split = functools.partial(microbatch.split, count=count)

@@ -17,6 +17,7 @@ before the executor (parallel.executor) runs it. Pure numpy: no JAX here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import re
 
@@ -65,14 +66,11 @@ class Table:
     def in_flight(self) -> np.ndarray:
         """[P]: the most microbatch-chunks each stage holds at once: F done (its input kept),
         last backward action (B, or W when split) not yet done."""
-        last = W if self.split_backward else B
-        times = self.times()
+        last, ticks = W if self.split_backward else B, np.arange(self.ticks)
         peak = np.zeros(self.stages, int)
         for s in range(self.stages):
-            starts = sorted(t for (k, m, j), t in times.items() if k == F and j % self.stages == s)
-            ends = sorted(t for (k, m, j), t in times.items() if k == last and j % self.stages == s)
-            for t in range(self.ticks):
-                peak[s] = max(peak[s], sum(x <= t for x in starts) - sum(x < t for x in ends))
+            starts, ends = (np.nonzero(self.kind[:, s] == k)[0] for k in (F, last))  # ticks, ascending
+            peak[s] = (np.searchsorted(starts, ticks, "right") - np.searchsorted(ends, ticks, "left")).max()
         return peak
 
     def draw(self) -> str:
@@ -126,7 +124,8 @@ def _one_f_one_b(s: int, P: int, M: int, V: int) -> list[Action]:
 def simulate(stage_orders: list[list[Action]], stages: int, microbatches: int, virtual: int,
              split_backward: bool = False) -> Table:
     """Place each stage's actions in ticks: a stage takes its next action once what it needs is
-    done at an earlier tick. With split_backward, each B is followed by its W, which waits in a
+    done at an earlier tick (W actions the orders name are taken in their turn, like any other).
+    With split_backward, each B is followed by its W, which waits in a
     queue and runs when the stage would otherwise idle, or when more than P-1-s are queued
     (ZB-H1: the held inputs stay as 1F1B's), and at the end."""
     P = stages
@@ -140,7 +139,7 @@ def simulate(stage_orders: list[list[Action]], stages: int, microbatches: int, v
         row = []
         for s in range(P):
             action = None
-            ready = pending[s] and _ready(pending[s][0], done, t, P * virtual, split_backward)
+            ready = pending[s] and _ready(pending[s][0], done, t, P * virtual)
             if queued[s] and (not ready or len(queued[s]) > P - 1 - s):
                 action = queued[s].pop(0)
             elif ready:
@@ -157,7 +156,8 @@ def simulate(stage_orders: list[list[Action]], stages: int, microbatches: int, v
     return _table(rows, stages, microbatches, virtual)
 
 
-def _ready(action: Action, done: dict[Action, int], t: int, last: int, split_backward: bool) -> bool:
+def _ready(action: Action, done: dict[Action, int], t: int, last: int) -> bool:
+    """Whether everything `action` needs is done before tick t (last: the virtual stage count)."""
     kind, m, j = action
     needs = {F: [(F, m, j - 1)] if j else [],
              B: [(F, m, j)] + ([(B, m, j + 1)] if j < last - 1 else []),
@@ -195,7 +195,7 @@ def check(table: Table) -> None:
                             + (f"missing {_name(missing[0])}" if missing else f"unexpected {_name(extra[0])}"))
     times = table.times()
     for action, t in times.items():
-        if not _ready(action, {a: u for a, u in times.items() if u < t}, t, P * V, table.split_backward):
+        if not _ready(action, times, t, P * V):
             raise ScheduleError(f"{_name(action)} at tick {t} comes before what it needs")
 
 
@@ -205,8 +205,10 @@ def _name(action: Action, stage: int | None = None) -> str:
     return f"{LETTERS[kind]}{m}" + ("" if j == stage else f"@{j}")
 
 
+@functools.lru_cache(maxsize=64)
 def build(name: str, stages: int, microbatches: int, virtual: int = 1) -> Table:
-    """The checked table of a named schedule."""
+    """The checked table of a named schedule (built once per shape: each trace of the step and
+    each plan asks again; treat it as read-only)."""
     table = simulate(orders(name, stages, microbatches, virtual), stages, microbatches, virtual,
                      split_backward=name == "zero_bubble")
     check(table)
@@ -236,8 +238,7 @@ def load(path: str, stages: int, microbatches: int, virtual: int = 1) -> Table:
         stage_orders.append(actions)
     split = any(a[0] == W for o in stage_orders for a in o)
     _complete(stage_orders, stages, microbatches, virtual, split)
-    table = _place_in_order(stage_orders, stages, microbatches, virtual) if split else simulate(
-        stage_orders, stages, microbatches, virtual)
+    table = simulate(stage_orders, stages, microbatches, virtual)
     check(table)
     return table
 
@@ -254,20 +255,6 @@ def _complete(stage_orders, stages: int, microbatches: int, virtual: int, split:
                     f"has {_name(extra[0], s)} once too often or out of range")
             raise ScheduleError(f"stage {s} {what}: each stage lists F and B{' and W' if split else ''} of each "
                                 f"microbatch 0..{microbatches - 1} for each of its virtual stages once")
-
-
-def _place_in_order(stage_orders, stages: int, microbatches: int, virtual: int) -> Table:
-    """`simulate` for orders that name their W actions: each taken in the order given."""
-    done: dict[Action, int] = {}
-    pending = [list(o) for o in stage_orders]
-    rows = []
-    for t in range(10 * (sum(len(o) for o in pending) + stages)):
-        if not any(pending):
-            return _table(rows, stages, microbatches, virtual)
-        row = [o.pop(0) if o and _ready(o[0], done, t, stages * virtual, True) else None for o in pending]
-        done.update({a: t for a in row if a is not None})
-        rows.append(row)
-    raise _deadlock(pending)
 
 
 def _deadlock(pending) -> ScheduleError:
