@@ -94,7 +94,9 @@ def _add_training(c: ml_collections.ConfigDict) -> None:
                    clip_norm=1.0, b1=0.9, b2=0.95, eps=1e-8)
     c.data = dict(
         source="auto",         # auto = file if data.path else embedded | embedded | synthetic | file
-        path="",               # .txt, .jsonl, .parquet (text), .bin/.npy (pre-tokenized)
+        path="",               # token stores (python -m jaxscale.prepare), .bin/.npy, or text: .txt/.md,
+                               # .jsonl(.gz/.zst), .parquet, HF save_to_disk dirs; comma-separate files, dirs, globs
+        mixture="",            # several weighted sources instead of path: web=STORE_A:0.7,code=STORE_B:0.3
         tokenizer="bytes",     # bytes | path/to/tokenizer.json | tiktoken:NAME
         text_field="text", token_dtype="uint16",  # uint16 | uint32: .bin files' token type
         val_fraction=0.05,     # the last 5% of tokens are held out for validation

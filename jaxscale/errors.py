@@ -11,6 +11,9 @@ class ConfigError(ValueError):
         self.field, self.value, self.fix = field, value, fix
         super().__init__(f"{field}={value!r}: {fix}")
 
+    def __reduce__(self):  # so the error crosses process boundaries (prepare's workers) intact
+        return type(self), (self.field, self.value, self.fix)
+
 
 class RunError(RuntimeError):
     """A failure during a run that the user can act on (a full disk, a checkpoint that cannot

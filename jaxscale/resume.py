@@ -59,10 +59,11 @@ def _checker(run, start: Start, say: Callable[[str], None]):
     return check
 
 
-def apply(start: Start, run, say: Callable[[str], None]) -> tuple[RunState, dict]:
+def apply(start: Start, run, say: Callable[[str], None], data: dict | None = None) -> tuple[RunState, dict]:
     """(the state and data position to train from, the tracker run ids saved with the
     checkpoint). A foreign checkpointer (resume_from, init_from) is closed afterwards; a fresh
-    state is made only when nothing is restored, so a run never holds two."""
+    state is made only when nothing is restored, so a run never holds two. `data` is the run's
+    Data.identity(): a checkpoint written reading other data resumes with a note saying so."""
     if start.kind == "fresh":
         return RunState(run.init_state()), {}
     try:
@@ -81,6 +82,9 @@ def apply(start: Start, run, say: Callable[[str], None]) -> tuple[RunState, dict
             "fresh optimizer state, step 0")
         return RunState(run.init_state(params=restored.state["params"])), {}
     ids = {} if start.field else restored.position.get("tracking", {})  # another run's trackers stay its own
+    if data is not None and restored.position.get("data", data) != data:
+        say(f"note: the checkpoint was written reading {restored.position['data']}; the data now is {data}: "
+            "continuing at the same global sample of the new data")
     return _position(restored, run.config.train.global_batch_size, say), ids
 
 

@@ -75,9 +75,9 @@ class Session:
 
     def position(self) -> dict:
         """What a checkpoint saves beside the state: the data position (independent of devices
-        and processes), rollbacks so far, and the tracker runs to continue on resume."""
+        and processes) and what the data was, rollbacks so far, and the tracker runs to continue on resume."""
         return {"global_sample": self.live.data_step * self.run.config.train.global_batch_size,
-                "rollbacks": self.live.rollbacks, "tracking": self.services.tracker.ids}
+                "rollbacks": self.live.rollbacks, "tracking": self.services.tracker.ids, "data": self.data.identity()}
 
     def save(self, step: int) -> None:
         run, t = self.run, self.run.config.train
@@ -113,7 +113,7 @@ def open_session(config, workdir: str | Path, show_progress: bool = True, device
         start = resume.choose(config, checkpointer)
         with _console(run, workdir, show_progress) as display:
             _introduce(run, data, workdir, display)
-            live, tracker_ids = resume.apply(start, run, display.print)
+            live, tracker_ids = resume.apply(start, run, display.print, data.identity())
             _describe(run, data, live, workdir)
             tracker = stack.enter_context(contextlib.closing(Tracker.open(workdir, config, tracker_ids)))
             yield Session(run, data, live, _services(config, workdir, checkpointer, tracker, display), opened)
@@ -155,6 +155,8 @@ def _introduce(run: Run, data: Data, workdir: Path, display: ProgressDisplay) ->
     display.print(summary(run, data, workdir))
     for note in run.notes:
         display.print(f"note: {note}")
+    for note in data.notes:
+        display.print(note)
     if xla_flags.applied:
         display.print(f"note: XLA flags for GPUs set (any you put in XLA_FLAGS win): {', '.join(xla_flags.applied)}")
     if jax.process_count() > 1:

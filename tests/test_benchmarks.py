@@ -117,7 +117,19 @@ def _check_moe(out):
     assert all(r["step_s"] > 0 for r in rows.values())
 
 
+def _check_data(out):
+    bpe, raw = out["prepare"]["bpe"], out["prepare"]["bytes"]
+    # One token a byte of text (plus one a document) is fewer than the file's JSON bytes; BPE merges more.
+    assert 0 < bpe["tokens"] < raw["tokens"] < out["corpus_bytes"]
+    assert out["limit"]["bpe"] > 0 and all(p["tokens_per_s"] > 0 and p["peak_mib"] > 0 for p in (bpe, raw))
+    shares = out["loader"]["shares"]
+    assert shares["mix_web"] == pytest.approx(0.7, abs=0.02) and shares["mix_small"] == pytest.approx(0.3, abs=0.02)
+    assert out["loader"]["local_batch_windows_per_s"] > 0 and out["loader"]["train_batches_windows_per_s"] > 0
+    assert out["step"]["windows_per_s"] > 0
+
+
 BENCHMARKS = {  # file -> (extra arguments, check of its JSON)
+    "data.py": ([], _check_data),
     "moe.py": ([], _check_moe),
     "offload.py": ([], _check_offload),
     "gpu.py": ([], _check_gpu),

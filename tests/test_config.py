@@ -85,7 +85,7 @@ def test_overrides_parse_types():
     (["model.remat=some"], "model.remat", "none, full, dots_saveable"),
     (["train.steps=0"], "train.steps", "> 0"),
     (["data.val_fraction=1.5"], "data.val_fraction", "between 0 and 1"),
-    (["data.source=synthetic", "data.path=x.txt"], "data.source", "data.path is set"),
+    (["data.source=synthetic", "data.path=x.txt"], "data.source", "data.path or data.mixture is set"),
     (["model.family=gpt2", "train.seq_len=2048"], "train.seq_len", "max_seq_len"),
 ])
 def test_bad_input_names_field(overrides, field, words):

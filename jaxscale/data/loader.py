@@ -1,12 +1,16 @@
 """make_data and Data: a run's training and validation batches as global jax.Arrays.
 
 The training order is a Grain shuffle of all windows, reshuffled every epoch (Grain's shuffle
-seeds each epoch with seed+epoch when it sits before repeat()), so the whole stream is a pure
-function of (data, train.seed): the same on any number of devices or processes.
+seeds each epoch with seed+epoch when it sits before repeat()); a mixture shuffles each source
+so and picks a source per sample (jaxscale.data.mixture). The whole stream is a pure function of
+(data, train.seed, global sample index): the same on any number of devices or processes, so the
+checkpointed sample index is the whole data position.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import zlib
 from collections.abc import Iterator, Sequence
 
 import grain
@@ -16,38 +20,80 @@ from jax.sharding import NamedSharding
 
 from jaxscale.data import sources
 from jaxscale.data.batches import Batch, StepBatches, process_rows
+from jaxscale.data.mixture import MixtureMap
 from jaxscale.data.settings import DataSettings, read_settings
 from jaxscale.data.synthetic import synthetic_splits
 from jaxscale.data.tokenize import Tokenizer, load_tokenizer
-from jaxscale.data.windows import train_val_windows
-from jaxscale.errors import ConfigError
+from jaxscale.data.windows import TokenWindows, train_val_windows
 
 STEPS_AHEAD = 2  # prefetched local batches per read thread
 
 
-def shuffle_seed(seed: int) -> int:
-    """Grain's shuffle seed for train.seed.
+def shuffle_seed(seed: int, name: str = "") -> int:
+    """Grain's shuffle seed for train.seed (and a mixture's source `name`).
 
     Hashed because Grain uses seed+epoch for each epoch: with raw seeds, run seed=1 would
-    replay run seed=0's second epoch, correlating runs that should be independent.
+    replay run seed=0's second epoch, correlating runs that should be independent. A source's
+    name enters the hash, so adding a source to a mixture leaves the others' orders as they were.
     """
-    return int(np.random.SeedSequence(seed).generate_state(1)[0])
+    entropy = [seed, zlib.crc32(name.encode())] if name else seed
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
+
+
+@dataclasses.dataclass
+class Split:
+    """One source's training and validation windows, and its weight in a mixture."""
+
+    name: str
+    train: TokenWindows | Sequence
+    val: TokenWindows | Sequence
+    weight: float = 1.0
+
+
+def _orders(splits: list[Split], seed: int) -> tuple[grain.MapDataset, grain.MapDataset, MixtureMap | None]:
+    """(the training order: shuffled and reshuffled every epoch, the validation order: as stored,
+    the mixture map when there are several sources)."""
+    if len(splits) == 1:
+        train, val = splits[0].train, splits[0].val
+        return (grain.MapDataset.source(train).shuffle(seed=shuffle_seed(seed)).repeat(),
+                grain.MapDataset.source(val).repeat(), None)
+    mix = MixtureMap([s.weight for s in splits], shuffle_seed(seed))
+    train = [grain.MapDataset.source(s.train).shuffle(seed=shuffle_seed(seed, s.name)).repeat() for s in splits]
+    val = [grain.MapDataset.source(s.val).repeat() for s in splits]
+    return (grain.MapDataset.select_from_datasets(train, mix), grain.MapDataset.select_from_datasets(val, mix),
+            mix)
 
 
 class Data:
     """Training and validation batches, each {'inputs','targets'} (+ 'segments' with
     data.document_mask): int32 [B, L] with the batch sharding."""
 
-    def __init__(self, train: Sequence, val: Sequence, tokenizer: Tokenizer, sharding: NamedSharding,
-                 settings: DataSettings, num_train_tokens: int, num_val_tokens: int):
-        self.tokenizer, self.sharding = tokenizer, sharding
-        self.num_train_tokens, self.num_val_tokens = num_train_tokens, num_val_tokens
+    def __init__(self, splits: list[Split], tokenizer: Tokenizer, sharding: NamedSharding, settings: DataSettings,
+                 notes: tuple[str, ...] = ()):
+        self.tokenizer, self.sharding, self.splits, self.notes = tokenizer, sharding, splits, notes
+        self.num_train_tokens = sum(_tokens(s.train, settings.seq_len) for s in splits)
+        self.num_val_tokens = sum(_tokens(s.val, settings.seq_len) for s in splits)
         self.global_shape = (settings.global_batch, settings.seq_len)
         self._threads = settings.num_threads
         self.rows = rows = process_rows(sharding, self.global_shape)  # this process's rows of every batch
-        order = grain.MapDataset.source(train).shuffle(seed=shuffle_seed(settings.seed)).repeat()
-        self._train = StepBatches(order, settings.global_batch, rows)
-        self._val = StepBatches(grain.MapDataset.source(val).repeat(), settings.global_batch, rows)
+        train, val, self.mixture = _orders(splits, settings.seed)
+        self._train = StepBatches(train, settings.global_batch, rows)
+        self._val = StepBatches(val, settings.global_batch, rows)
+
+    def identity(self) -> dict:
+        """What a checkpoint records of the data beside its position: each source's name, weight,
+        windows and tokens (a resume on other data is told so)."""
+        return {"sources": [{"name": s.name, "weight": s.weight, "windows": len(s.train)} for s in self.splits]}
+
+    def stats(self, step: int) -> dict[str, float]:
+        """For a mixture, after `step` steps: each source's realised share of the samples read
+        (mix_NAME) and the epochs of it read (epochs_NAME)."""
+        if self.mixture is None:
+            return {}
+        taken = self.mixture.taken(step * self.global_shape[0])
+        share = taken / max(int(taken.sum()), 1)
+        return {**{f"mix_{s.name}": float(f) for s, f in zip(self.splits, share)},
+                **{f"epochs_{s.name}": int(n) / len(s.train) for s, n in zip(self.splits, taken)}}
 
     def local_batch(self, step: int) -> Batch:
         """This process's rows of step's training batch (numpy, int32), by random access."""
@@ -70,30 +116,37 @@ class Data:
         return [self._to_global(self._val[i]) for i in range(num_batches)]
 
 
-def _check_tokenizer_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
-    if tokenizer.vocab_size > vocab_size:
-        raise ConfigError("model.vocab_size", vocab_size, f"the tokenizer has {tokenizer.vocab_size} tokens; "
-                          f"set model.vocab_size >= {tokenizer.vocab_size}")
+def _tokens(windows, seq_len: int) -> int:
+    return windows.tokens if isinstance(windows, TokenWindows) else len(windows) * seq_len
 
 
-def _check_token_ids(tokens: np.ndarray, vocab_size: int, path: str) -> None:
-    low, high = sources.token_range(tokens)
-    if low < 0:
-        raise ConfigError("data.path", path, f"holds a negative token id ({low}); token ids must be >= 0")
-    if high >= vocab_size:
-        raise ConfigError("model.vocab_size", vocab_size, f"{path} has token ids up to {high}; "
-                          f"set model.vocab_size >= {high + 1}")
+def _split(source: sources.Source, s: DataSettings, eos_id: int | None) -> Split:
+    train, val = train_val_windows(source.pieces, s.seq_len, s.val_fraction, eos_id,
+                                   name=source.name if s.mixture else "")
+    return Split(source.name, train, val, source.weight)
 
 
-def _token_data(s: DataSettings, tokenizer: Tokenizer, sharding: NamedSharding) -> Data:
-    pretokenized = sources.is_pretokenized(s)
-    if not pretokenized:  # before encoding, so a mismatch fails fast
-        _check_tokenizer_vocab(tokenizer, s.vocab_size)
-    tokens = sources.load_tokens(s, tokenizer)
-    if pretokenized:
-        _check_token_ids(tokens, s.vocab_size, s.path)
-    train, val = train_val_windows(tokens, s.seq_len, s.val_fraction, tokenizer.eos_id if s.document_mask else None)
-    return Data(train, val, tokenizer, sharding, s, len(train.tokens), len(val.tokens))
+def _file_splits(s: DataSettings, tokenizer: Tokenizer) -> tuple[list[Split], tuple[str, ...]]:
+    named = [(name, path, weight, "data.mixture") for name, path, weight in s.mixture] or [("data", s.path, 1.0,
+                                                                                             "data.path")]
+    loaded = []
+    for name, path, weight, field in named:
+        source = sources.load(name, path, s, tokenizer, field)
+        source.weight = weight
+        loaded.append(source)
+    eos_id = tokenizer.eos_id if s.document_mask else None
+    encoded = sum(source.encoded_bytes for source in loaded)
+    notes = (sources.PREPARE_NOTE.format(mib=encoded / 2**20, files="text files are"),) if encoded else ()
+    return [_split(source, s, eos_id) for source in loaded], notes + _mixture_notes(loaded, s)
+
+
+def _mixture_notes(loaded: list[sources.Source], s: DataSettings) -> tuple[str, ...]:
+    if not s.mixture:
+        return ()
+    total = sum(source.weight for source in loaded)
+    return ("data mixture: " + ", ".join(f"{source.name} {source.weight / total:.3f}" for source in loaded)
+            + f" of each batch (seeded by train.seed={s.seed}); realised shares and epochs are logged as "
+            "mix_NAME and epochs_NAME",)
 
 
 def make_data(config, batch_sharding: NamedSharding) -> Data:
@@ -105,8 +158,12 @@ def make_data(config, batch_sharding: NamedSharding) -> Data:
     settings = read_settings(config)
     # Pre-tokenized and synthetic data skip the tokenizer; it is still loaded for decoding samples.
     tokenizer = load_tokenizer(settings.tokenizer)
-    if settings.source != "synthetic":
-        return _token_data(settings, tokenizer, batch_sharding)
+    if settings.source == "file":
+        splits, notes = _file_splits(settings, tokenizer)
+        return Data(splits, tokenizer, batch_sharding, settings, notes)
+    if settings.source == "embedded":
+        source = sources.embedded(settings, tokenizer)
+        eos_id = tokenizer.eos_id if settings.document_mask else None
+        return Data([_split(source, settings, eos_id)], tokenizer, batch_sharding, settings)
     train, val = synthetic_splits(settings.vocab_size, settings.seq_len, settings.seed, settings.document_mask)
-    return Data(train, val, tokenizer, batch_sharding, settings,
-                len(train) * settings.seq_len, len(val) * settings.seq_len)
+    return Data([Split("synthetic", train, val)], tokenizer, batch_sharding, settings)

@@ -1,105 +1,45 @@
-"""Sources: where the token stream comes from (the embedded corpus, or one file).
+"""Sources: where a run's token streams come from.
 
-Text sources give documents, encoded and joined with the tokenizer's EOS id after each one;
-pre-tokenized files (.bin, .npy) give ids directly and are memory-mapped, never read whole.
+A source is named by comma-separated token stores, files, directories and globs
+(`data.path`, or one entry of `data.mixture`), read in that order as a list of pieces: one per
+store shard or file. Stores (python -m jaxscale.prepare) and pre-tokenized files (.bin, .npy) are
+memory-mapped, never read whole; text and document files without a store are encoded at every
+start, which suits small data (the run says once that `prepare` exists).
 """
 
 from __future__ import annotations
 
-import itertools
-import json
-from collections.abc import Iterable, Iterator
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 
+from jaxscale.data import formats, store
+from jaxscale.data.encode import encode_all
+from jaxscale.data.formats import Piece
 from jaxscale.data.settings import DataSettings
 from jaxscale.data.tokenize import Tokenizer
 from jaxscale.errors import ConfigError
 
-DOCUMENT_SUFFIXES = (".jsonl", ".json", ".parquet")
-TOKEN_SUFFIXES = (".bin", ".npy")
-TEXT_SUFFIXES = (".txt", ".md")  # other suffixes are read as text too, if they look like text
-SUPPORTED = "use .txt/.md (text), .jsonl/.json/.parquet (documents) or .bin/.npy (token ids)"
+PREPARE_NOTE = ("data: {files} read and tokenized at every start ({mib:.1f} MiB); for large data tokenize once with "
+                "python -m jaxscale.prepare --input=... --out=STORE and set data.path=STORE")
 
 
-def embedded_documents() -> Iterator[str]:
+@dataclasses.dataclass
+class Source:
+    """A named token stream: its pieces in order, and its weight in a mixture."""
+
+    name: str
+    pieces: list[np.ndarray]
+    weight: float = 1.0
+    encoded_bytes: int = 0   # of text encoded at this start (0 when every piece is memory-mapped)
+
+
+def embedded_pieces() -> list[Piece]:
     """Real English text shipped with every CPython: the pydoc topic pages (about 0.47 MB), by sorted key."""
     from pydoc_data.topics import topics
 
-    return (topics[key] for key in sorted(topics))
-
-
-def _text_value(value, where: str, field: str) -> str:
-    if not isinstance(value, str):
-        fix = f"{where} holds {type(value).__name__}, not text; name a string field"
-        raise ConfigError("data.text_field", field, fix)
-    return value
-
-
-def _jsonl_documents(path: Path, field: str) -> Iterator[str]:
-    with open(path, encoding="utf-8", errors="replace") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                fix = f"line {number} is not JSON ({error}); give one object per line"
-                raise ConfigError("data.path", str(path), fix) from None
-            if not isinstance(record, dict):
-                fix = f"line {number} is a JSON {type(record).__name__}; give one object per line"
-                raise ConfigError("data.path", str(path), fix)
-            if field not in record:
-                fix = f"line {number} of {path} has keys {sorted(record)}; name the text key"
-                raise ConfigError("data.text_field", field, fix)
-            yield _text_value(record[field], f"line {number} of {path}", field)
-
-
-def _parquet_documents(path: Path, field: str) -> Iterator[str]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        fix = "Parquet needs pyarrow: pip install 'jaxscale[parquet]'"
-        raise ConfigError("data.path", str(path), fix) from None
-    columns = pq.read_schema(path).names
-    if field not in columns:
-        raise ConfigError("data.text_field", field, f"{path} has columns {columns}; name the text column")
-    values = pq.read_table(path, columns=[field]).column(field).to_pylist()  # only the text column
-    return (_text_value(v, f"row {i} of {path}", field) for i, v in enumerate(values))
-
-
-def _looks_binary(path: Path) -> bool:
-    # NUL bytes do not occur in real text but fill compressed and binary formats.
-    with open(path, "rb") as head:
-        return b"\0" in head.read(1 << 16)
-
-
-def _text_documents(path: Path) -> Iterator[str]:
-    if path.suffix not in TEXT_SUFFIXES and _looks_binary(path):
-        fix = f"unknown extension {path.suffix!r} and not text; {SUPPORTED}"
-        raise ConfigError("data.path", str(path), fix)
-    return iter([path.read_bytes().decode("utf-8", errors="replace")])
-
-
-def file_documents(path: Path, text_field: str) -> Iterator[str]:
-    """Documents of a JSONL/JSON-lines file, a Parquet file, or a text file (one document)."""
-    if path.suffix == ".parquet":
-        return _parquet_documents(path, text_field)
-    if path.suffix in (".jsonl", ".json"):
-        return _jsonl_documents(path, text_field)
-    return _text_documents(path)
-
-
-def encode_documents(documents: Iterable[str], tokenizer: Tokenizer, group: int = 512) -> np.ndarray:
-    """Every document's ids followed by tokenizer.eos_id, as one uint16 (or uint32) array."""
-    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32
-    eos, pieces, documents = np.array([tokenizer.eos_id], dtype), [], iter(documents)
-    # Groups let Hugging Face tokenizers encode many documents in parallel.
-    while texts := list(itertools.islice(documents, group)):
-        for ids in tokenizer.encode_batch(texts):
-            pieces += (ids.astype(dtype, copy=False), eos)
-    return np.concatenate(pieces) if pieces else np.zeros(0, dtype)
+    return [(topics[key], True, 0) for key in sorted(topics)]
 
 
 def _npy_tokens(path: Path) -> np.ndarray:
@@ -134,24 +74,47 @@ def token_range(tokens: np.ndarray, chunk: int = 1 << 24) -> tuple[int, int]:
     return low, max((int(part.max()) for part in parts), default=-1)
 
 
-def check_path(path_text: str) -> Path:
-    """The data file as a Path; ConfigError(data.path) when it is not an existing file."""
-    path = Path(path_text).expanduser()
-    if not path.is_file():
-        raise ConfigError("data.path", path_text, f"no such file; {SUPPORTED}")
-    return path
+def check_tokenizer_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError("model.vocab_size", vocab_size, f"the tokenizer has {tokenizer.vocab_size} tokens; "
+                          f"set model.vocab_size >= {tokenizer.vocab_size}")
 
 
-def is_pretokenized(settings: DataSettings) -> bool:
-    """Whether the source gives token ids directly (a .bin or .npy file), skipping the tokenizer."""
-    return settings.source == "file" and Path(settings.path).suffix in TOKEN_SUFFIXES
+def _checked_ids(tokens: np.ndarray, vocab_size: int, path: Path) -> np.ndarray:
+    low, high = token_range(tokens)
+    if low < 0:
+        raise ConfigError("data.path", str(path), f"holds a negative token id ({low}); token ids must be >= 0")
+    if high >= vocab_size:
+        raise ConfigError("model.vocab_size", vocab_size, f"{path} has token ids up to {high}; "
+                          f"set model.vocab_size >= {high + 1}")
+    return tokens
 
 
-def load_tokens(settings: DataSettings, tokenizer: Tokenizer) -> np.ndarray:
-    """The whole token stream of the embedded or file source (memory-mapped when pre-tokenized)."""
-    if settings.source == "embedded":
-        return encode_documents(embedded_documents(), tokenizer)
-    path = check_path(settings.path)
-    if is_pretokenized(settings):
-        return token_file(path, settings.token_dtype)
-    return encode_documents(file_documents(path, settings.text_field), tokenizer)
+def _store_shards(path: Path, settings: DataSettings, tokenizer: Tokenizer, field: str) -> list[np.ndarray]:
+    opened = store.open_store(path, field)
+    made_with = opened.tokenizer
+    if made_with["identity"] != tokenizer.identity:
+        raise ConfigError("data.tokenizer", settings.tokenizer, f"{path} was prepared with {made_with['spec']} "
+                          f"({made_with['identity']}); set data.tokenizer={made_with['spec']}")
+    check_tokenizer_vocab(tokenizer, settings.vocab_size)
+    return opened.shards
+
+
+def load(name: str, spec: str, settings: DataSettings, tokenizer: Tokenizer, field: str = "data.path") -> Source:
+    """The source `spec` names, every file checked; ConfigError(field or the part at fault) else."""
+    pieces, encoded = [], 0
+    for path in formats.expand(spec, field):
+        if path.is_dir():
+            pieces += _store_shards(path, settings, tokenizer, field)
+        elif formats.kind_of(path) == "tokens":
+            pieces.append(_checked_ids(token_file(path, settings.token_dtype), settings.vocab_size, path))
+        else:
+            check_tokenizer_vocab(tokenizer, settings.vocab_size)  # before encoding, so a mismatch fails fast
+            pieces.append(encode_all(formats.read(formats.whole_file(path), settings.text_field), tokenizer))
+            encoded += path.stat().st_size
+    return Source(name, pieces, encoded_bytes=encoded)
+
+
+def embedded(settings: DataSettings, tokenizer: Tokenizer) -> Source:
+    check_tokenizer_vocab(tokenizer, settings.vocab_size)
+    return Source("embedded", [encode_all(embedded_pieces(), tokenizer)])

@@ -1,12 +1,14 @@
 """Tokenizers: byte-level (built in), a Hugging Face tokenizer.json, or a tiktoken encoding.
 
-Every tokenizer has `vocab_size`, `eos_id` (the document separator), `encode(str) -> list[int]`,
+Every tokenizer has `vocab_size`, `eos_id` (the document separator), `identity` (what a token
+store records, so a store is read with the tokenizer that wrote it), `encode(str) -> list[int]`,
 `decode(ids) -> str`, and `encode_batch(texts) -> list[np.ndarray]` (fast path for whole corpora).
 The optional packages (tokenizers, tiktoken) are imported only when asked for.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
@@ -26,6 +28,7 @@ class Tokenizer(Protocol):
 
     vocab_size: int
     eos_id: int
+    identity: str
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -37,7 +40,7 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     """UTF-8 bytes as tokens (vocab 256); id 0 (the NUL byte) separates documents."""
 
-    vocab_size, eos_id = 256, 0
+    vocab_size, eos_id, identity = 256, 0, "bytes"
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -71,6 +74,7 @@ class HFTokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         ids = (self._tok.token_to_id(name) for name in EOS_NAMES)
         self.eos_id = next((i for i in ids if i is not None), 0)
+        self.identity = f"tokenizer.json sha256:{hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]}"
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -99,6 +103,7 @@ class TiktokenTokenizer:
             fix = f"could not load the encoding ({error}); check the name or set TIKTOKEN_CACHE_DIR"
             raise ConfigError(FIELD, spec, fix) from None
         self.vocab_size, self.eos_id = self._enc.n_vocab, self._enc.eot_token
+        self.identity = spec
 
     def encode(self, text: str) -> list[int]:
         # Ordinary: text that happens to spell "<|endoftext|>" is data, not a control token.

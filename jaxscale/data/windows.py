@@ -1,8 +1,10 @@
 """Packing: a token stream cut into fixed-length training windows, and the held-out split.
 
 A window is seq_len+1 consecutive tokens; windows start every seq_len tokens, so each token
-(after the first) is a target exactly once per epoch. The last val_fraction of the stream is
-validation (nanoGPT-style), and no window crosses the cut, so the splits share no target.
+(after the first) is a target exactly once per epoch. A stream in pieces (a store's shards,
+several files) is cut piece by piece, each losing under seq_len tokens at its end. The last
+val_fraction of the stream is validation (nanoGPT-style), and no window crosses the cut, so the
+splits share no target.
 
 With document masking each window also carries its inputs' segment ids: documents end with the
 tokenizer's EOS id (text sources put one after each document, and pre-tokenized streams are
@@ -33,39 +35,52 @@ def example(window: np.ndarray, eos_id: int | None = None) -> Example:
 
 
 class TokenWindows(Sequence):
-    """Random access to the windows of a (possibly memory-mapped) token stream; indices wrap.
-    Given eos_id, each window carries segment ids (see example)."""
+    """Random access to the windows of a list of (possibly memory-mapped) token streams, each
+    cut on its own (no window spans two pieces); indices wrap. Given eos_id, each window carries
+    segment ids (see example)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, eos_id: int | None = None):
-        self.tokens, self.seq_len, self.eos_id = tokens, seq_len, eos_id
-        self._count = max(0, (len(tokens) - 1) // seq_len)
+    def __init__(self, pieces: list[np.ndarray], seq_len: int, eos_id: int | None = None):
+        self.pieces, self.seq_len, self.eos_id = pieces, seq_len, eos_id
+        counts = [max(0, (len(piece) - 1) // seq_len) for piece in pieces]
+        self._starts = np.cumsum([0] + counts)  # the first window of each piece
+        self.tokens = sum(len(piece) for piece in pieces)
 
     def __len__(self) -> int:
-        return self._count
+        return int(self._starts[-1])
 
     def __getitem__(self, index: int) -> Example:
-        start = (index % self._count) * self.seq_len
+        index %= len(self)
+        piece = int(np.searchsorted(self._starts, index, side="right")) - 1
+        start = (index - int(self._starts[piece])) * self.seq_len
         # Slicing a memmap reads only these seq_len+1 tokens from disk.
-        return example(self.tokens[start:start + self.seq_len + 1], self.eos_id)
+        return example(self.pieces[piece][start:start + self.seq_len + 1], self.eos_id)
 
 
-def split(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """(train, validation): validation is the last val_fraction of the stream. Views, no copies."""
-    cut = len(tokens) - int(len(tokens) * val_fraction)
-    return tokens[:cut], tokens[cut:]
+def split(pieces: list[np.ndarray], val_fraction: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(train, validation) pieces: validation is the last val_fraction of the tokens of all the
+    pieces in order, so it ends the last piece. Views, no copies."""
+    total = sum(len(piece) for piece in pieces)
+    cut, seen, train, val = total - int(total * val_fraction), 0, [], []
+    for piece in pieces:
+        inside = min(max(cut - seen, 0), len(piece))
+        train += [piece[:inside]] if inside else []
+        val += [piece[inside:]] if inside < len(piece) else []
+        seen += len(piece)
+    return train, val
 
 
-def train_val_windows(tokens: np.ndarray, seq_len: int, val_fraction: float,
-                      eos_id: int | None = None) -> tuple[TokenWindows, TokenWindows]:
+def train_val_windows(pieces: list[np.ndarray], seq_len: int, val_fraction: float,
+                      eos_id: int | None = None, name: str = "") -> tuple[TokenWindows, TokenWindows]:
     """Windows of both splits (with segment ids split at eos_id, if given); ConfigError when
     either split is too short for one window."""
-    train, val = split(tokens, val_fraction)
-    if len(train) <= seq_len:
-        fix = (f"the training split has only {len(train)} tokens, fewer than seq_len+1; "
+    train, val = (TokenWindows(part, seq_len, eos_id) for part in split(pieces, val_fraction))
+    source = f" of {name}" if name else ""
+    if not len(train):
+        fix = (f"the training split{source} has only {train.tokens} tokens, fewer than seq_len+1 in any piece; "
                "use more data (data.path) or a shorter train.seq_len")
         raise ConfigError("train.seq_len", seq_len, fix)
-    if len(val) <= seq_len:
-        fix = (f"the validation split has only {len(val)} tokens, fewer than train.seq_len+1={seq_len + 1}; "
-               "raise data.val_fraction, use more data or a shorter seq_len")
+    if not len(val):
+        fix = (f"the validation split{source} has only {val.tokens} tokens, fewer than train.seq_len+1="
+               f"{seq_len + 1}; raise data.val_fraction, use more data or a shorter seq_len")
         raise ConfigError("data.val_fraction", val_fraction, fix)
-    return TokenWindows(train, seq_len, eos_id), TokenWindows(val, seq_len, eos_id)
+    return train, val
