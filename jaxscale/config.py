@@ -44,6 +44,8 @@ def _add_model(c: ml_collections.ConfigDict) -> None:
         rope_theta=10000.0, norm_eps=1e-5, init_std=0.02,
         dtype="auto",          # compute dtype; auto = bfloat16 on GPU/TPU, float32 on CPU. Parameters stay float32.
         remat="none",          # none | full | dots_saveable: what the backward pass recomputes per layer
+        layer_loop="auto",     # scan | unroll | auto (unroll up to 8 layers on one CPU device, else scan)
+        projections="auto",    # einsum | cpu (XLA:CPU's fast backward, models/matmul.py) | auto (cpu on one CPU device)
         attention=dict(
             impl="auto",               # xla | cudnn | splash | auto (cudnn on GPU, splash on TPU, where they run)
             context_parallel="ring",   # ring | all_gather: attention when mesh.sequence > 1
@@ -145,6 +147,8 @@ def _add_operations(c: ml_collections.ConfigDict) -> None:
     )
     c.xla = dict(
         gpu_defaults=True,     # set jaxscale's XLA flags on NVIDIA GPUs (jaxscale/xla_flags.py); yours win
+        compile_cache=True,    # JAX's persistent compilation cache: a second start skips compiling (compile_cache.py)
+        compile_cache_dir="",  # default: $JAXSCALE_COMPILE_CACHE_DIR, else ~/.cache/jaxscale/xla; "off" = no cache
     )
     c.tracking = dict(
         writers="jsonl,tensorboard",  # any of jsonl, tensorboard, mlflow, wandb (those two need their extras)

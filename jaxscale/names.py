@@ -45,6 +45,9 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
 # The choices of config settings.
 FAMILIES = ("llama", "gpt2")
 REMAT_POLICIES = ("none", "full", "dots_saveable")
+LAYER_LOOPS = ("auto", "scan", "unroll")
+PROJECTIONS = ("auto", "einsum", "cpu")
+UNROLL_UP_TO = 8  # layer_loop=auto unrolls this many layers or fewer on CPU
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
 CONTEXT_PARALLEL = ("ring", "all_gather")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import jax
 
+from jaxscale import compile_cache, inspection, resume, xla_flags
 from jaxscale import config as config_lib
-from jaxscale import inspection, resume, xla_flags
 from jaxscale import report as report_lib
 from jaxscale.build import Run, build
 from jaxscale.checkpoint import CHECKPOINTS, Checkpointer
@@ -64,8 +64,11 @@ class Session:
     def compiled(self):
         """The train step compiled ahead of time (once per session), so step times never include it."""
         if self._compiled is None:
+            before = compile_cache.hits()
             self._compiled, self.compile_s = self.run.compile()
-            self.services.display.print(f"compiled the train step in {self.compile_s:.1f}s")
+            how = "loaded the compiled train step from the cache" if compile_cache.hits() > before else \
+                "compiled the train step"
+            self.services.display.print(f"{how} in {self.compile_s:.1f}s")
         return self._compiled
 
     def val_batches(self) -> list:
@@ -106,13 +109,14 @@ def open_session(config, workdir: str | Path, show_progress: bool = True, device
     the run and its state (restored from where the workdir or the config says, else fresh), the
     metric writers and the console. Closing it waits for the last checkpoint to commit."""
     workdir, devices, opened = Path(workdir), list(devices or jax.devices()), time.perf_counter()
+    cache_note = compile_cache.enable(config.xla)
     run = _build(config, devices)  # validated, and the data found, before the workdir is touched
     data = make_data(config, run.batch_sharding)
     with (contextlib.ExitStack() as stack, WorkdirLock(workdir),
           Checkpointer(workdir / CHECKPOINTS, config.checkpoint) as checkpointer):
         start = resume.choose(config, checkpointer)
         with _console(run, workdir, show_progress) as display:
-            _introduce(run, data, workdir, display)
+            _introduce(run, data, workdir, display, cache_note)
             live, tracker_ids = resume.apply(start, run, display.print, data.identity())
             _describe(run, data, live, workdir)
             tracker = stack.enter_context(contextlib.closing(Tracker.open(workdir, config, tracker_ids)))
@@ -150,10 +154,10 @@ def _console(run: Run, workdir: Path, show_progress: bool):
         display.close()
 
 
-def _introduce(run: Run, data: Data, workdir: Path, display: ProgressDisplay) -> None:
+def _introduce(run: Run, data: Data, workdir: Path, display: ProgressDisplay, cache_note: str | None) -> None:
     """The summary and notes (process 0), and which batch rows each process reads (every process)."""
     display.print(summary(run, data, workdir))
-    for note in run.notes:
+    for note in run.notes + ((cache_note,) if cache_note else ()):
         display.print(f"note: {note}")
     for note in data.notes:
         display.print(note)

@@ -128,7 +128,32 @@ def _check_data(out):
     assert out["step"]["windows_per_s"] > 0
 
 
+def _check_torch_reference(out):
+    assert [r["shape"] for r in out["rows"]] == ["tiny", "gpt2"]
+    for r in out["rows"]:
+        # The PyTorch side starts from jaxscale's parameters and batches: the same math, the same
+        # first two losses (forward, then one AdamW update), to float32 rounding.
+        assert r["losses"]["torch"] == pytest.approx(r["losses"]["jaxscale"], rel=1e-4), r
+        assert r["jaxscale_ms"] > 0 and r["torch_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["jaxscale_ms"] / r["torch_ms"])
+
+
+def _check_startup(out):
+    (first,), (second,) = out["runs"]["first"], out["runs"]["second"]
+    assert not first["from_cache"] and second["from_cache"]  # the second start loads the step, compiles nothing
+    assert all(r["first_step_s"] > r["after_summary_s"] > 0 for r in (first, second))
+
+
+def _check_cpu_profile(out):
+    assert set(out["kinds_ms"]) <= {"matmul", "copy/transpose", "broadcast", "stacked slices", "other fusions"}
+    assert out["kinds_ms"]["matmul"] > 0 and out["thunks_ms"] == pytest.approx(sum(out["kinds_ms"].values()))
+    assert len(out["top"]) == 12 and all(t["op"] for t in out["top"])  # each traced thunk found in the HLO
+
+
 BENCHMARKS = {  # file -> (extra arguments, check of its JSON)
+    "torch_reference.py": ([], _check_torch_reference),
+    "startup.py": ([], _check_startup),
+    "cpu_profile.py": ([], _check_cpu_profile),
     "data.py": ([], _check_data),
     "moe.py": ([], _check_moe),
     "offload.py": ([], _check_offload),

@@ -150,3 +150,72 @@ def test_a_packed_document_gives_the_logits_it_gives_alone(name):
     alone = model.apply(params, tokens[:, 5:])
     packed = model.apply(params, tokens, None, DOCUMENTS[:1].clip(0, 1))
     np.testing.assert_allclose(packed[:, 5:], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_unrolled_layers_are_the_scanned_function_without_the_loop(remat):
+    """model.layer_loop: the same parameters (still stacked), the same loss and gradients; the
+    unrolled program has no loop left."""
+    tokens, out = _tokens(), {}
+    for scan in (True, False):
+        model = LanguageModel(ModelSpec(**{**SPECS["llama_gqa_untied"].__dict__, "remat": remat, "scan_layers": scan}))
+        params = model.init(jax.random.PRNGKey(0))
+
+        def loss(p, model=model):
+            return jnp.mean(jax.nn.logsumexp(model.apply(p, tokens), -1))
+
+        step = jax.jit(jax.value_and_grad(loss))
+        out[scan] = step(params), step.lower(params).compile().as_text()
+    (loss_s, grads_s), scanned = out[True]
+    (loss_u, grads_u), unrolled = out[False]
+    np.testing.assert_allclose(loss_u, loss_s, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads_u, grads_s)
+    # The scan's loops (forward and backward) hold the blockwise attention's own loops inside.
+    assert scanned.count(" while(") > unrolled.count(" while(")
+    assert "dynamic-update-slice" in scanned  # the scan stacks its residuals; unrolled, nothing to stack
+
+
+@pytest.mark.parametrize("platform, devices, layers, scan", [
+    ("cpu", 1, 2, False), ("cpu", 1, 9, True), ("cpu", 8, 2, True), ("tpu", 1, 2, True), ("gpu", 1, 2, True)])
+def test_layer_loop_auto_unrolls_small_models_on_one_cpu_device(platform, devices, layers, scan):
+    from types import SimpleNamespace
+
+    from jaxscale.models.transformer import _one_cpu_device, resolve_layer_loop
+
+    one_cpu = _one_cpu_device(platform, SimpleNamespace(mesh=SimpleNamespace(size=devices)))
+    assert one_cpu == (platform == "cpu" and devices == 1)  # the CPU formulations (models.matmul) too
+    assert resolve_layer_loop(SimpleNamespace(layer_loop="auto", num_layers=layers), one_cpu) is scan
+    for forced in ("scan", "unroll"):
+        assert resolve_layer_loop(SimpleNamespace(layer_loop=forced, num_layers=layers), one_cpu) is (forced == "scan")
+
+
+@pytest.mark.parametrize("k, x_shape, w_shape", [(1, (2, 5, 6), (6, 3, 4)), (2, (2, 5, 3, 4), (3, 4, 6))])
+def test_cpu_projection_is_the_einsum_with_the_same_gradients(k, x_shape, w_shape):
+    from jaxscale.models.matmul import project
+
+    rng = np.random.default_rng(0)
+    x, w = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in (x_shape, w_shape))
+
+    def loss(x, w, cpu):
+        return jnp.sum(jnp.sin(project(x, w, k, cpu)))
+
+    plain, cpu = (jax.jit(jax.value_and_grad(loss, (0, 1)), static_argnums=2)(x, w, c) for c in (False, True))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), cpu, plain)
+
+
+@pytest.mark.parametrize("remat", ["none", "dots_saveable"])
+def test_the_cpu_formulation_gives_the_same_loss_and_grads(remat):
+    tokens, out = _tokens(), []
+    for name in SPECS:
+        for cpu in (False, True):
+            model = LanguageModel(ModelSpec(**{**SPECS[name].__dict__, "remat": remat, "cpu_matmul": cpu,
+                                               "scan_layers": not cpu}))
+            params = model.init(jax.random.PRNGKey(0))
+
+            def loss(p, model=model):
+                return jnp.mean(jax.nn.logsumexp(model.apply(p, tokens), -1))
+
+            out.append(jax.jit(jax.value_and_grad(loss))(params))
+    for (loss_a, grads_a), (loss_b, grads_b) in (out[0:2], out[2:4]):
+        np.testing.assert_allclose(loss_b, loss_a, rtol=1e-6)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads_b, grads_a)

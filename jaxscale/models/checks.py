@@ -7,7 +7,7 @@ Config-level only (errors and names): checking a config never builds a model.
 from __future__ import annotations
 
 from jaxscale.errors import require, require_choice, require_positive
-from jaxscale.names import ATTENTION_IMPLS, DTYPES, FAMILIES, REMAT_POLICIES, split_ways
+from jaxscale.names import ATTENTION_IMPLS, DTYPES, FAMILIES, LAYER_LOOPS, PROJECTIONS, REMAT_POLICIES, split_ways
 
 _SIZES = ("model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads", "model.d_ff",
           "model.vocab_size", "model.max_seq_len", "model.attention.block_size")
@@ -18,7 +18,8 @@ def check_model(config) -> None:
     ConfigError naming the field. The mixture-of-experts settings are `check_moe`'s."""
     m = config.model
     for field, value, choices in (("model.family", m.family, FAMILIES), ("model.remat", m.remat, REMAT_POLICIES),
-                                  ("model.dtype", m.dtype, DTYPES),
+                                  ("model.dtype", m.dtype, DTYPES), ("model.layer_loop", m.layer_loop, LAYER_LOOPS),
+                                  ("model.projections", m.projections, PROJECTIONS),
                                   ("model.attention.impl", m.attention.impl, ATTENTION_IMPLS)):
         require_choice(field, value, choices)
     require_positive(config, _SIZES)

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxscale.models.attention import Placement, cached_attention, self_attention, write_cache
+from jaxscale.models.matmul import project
 from jaxscale.parallel import context
 from jaxscale.sharding import constrain
 
@@ -84,7 +85,7 @@ class Attention(nnx.Module):
         self.wk = normal(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
         self.wv = normal(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
         self.wo = normal(rngs, (H, E, D), ("heads", "head_dim", "embed"), out_std)
-        self.use_rope, self.theta = cfg.family == "llama", cfg.rope_theta
+        self.use_rope, self.theta, self.cpu = cfg.family == "llama", cfg.rope_theta, cfg.cpu_matmul
         self.impl, self.block, self.strategy = cfg.attention_impl, cfg.attention_block, cfg.strategy
         if cfg.family == "gpt2":
             self.bias_q = zeros((H, E), ("heads", "head_dim"))
@@ -93,7 +94,7 @@ class Attention(nnx.Module):
             self.bias_o = zeros((D,), ("embed",))
 
     def _project(self, x_BLD, w, bias_name, heads_axis):
-        y = jnp.einsum("BLD,DHE->BLHE", x_BLD, w[...])
+        y = project(x_BLD, w[...], 1, self.cpu)
         y = y + getattr(self, bias_name)[...] if hasattr(self, bias_name) else y
         return constrain(y, ("batch", "act_length", heads_axis, "head_dim"))
 
@@ -119,7 +120,7 @@ class Attention(nnx.Module):
         else:
             out_BLHE = self_attention(q_BLHE, k_BLKE, v_BLKE, places, self.impl, self.block, self.strategy.mesh)
         out_BLHE = constrain(out_BLHE, ("batch", "act_length", "act_heads", "head_dim"))
-        out_BLD = jnp.einsum("BLHE,HED->BLD", out_BLHE, self.wo[...])
+        out_BLD = project(out_BLHE, self.wo[...], 2, self.cpu)
         return (out_BLD + self.bias_o[...] if hasattr(self, "bias_o") else out_BLD), cache
 
 
@@ -127,22 +128,25 @@ class SwiGLU(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         D, F = cfg.d_model, cfg.d_ff
         self.w_gate = normal(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
+        self.cpu = cfg.cpu_matmul
         self.w_up = normal(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
         self.w_down = normal(rngs, (F, D), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
 
     def __call__(self, x_BLD):
-        h_BLF = jax.nn.silu(x_BLD @ self.w_gate[...]) * (x_BLD @ self.w_up[...])
-        return constrain(h_BLF, ("batch", "act_length", "act_mlp")) @ self.w_down[...]
+        h_BLF = jax.nn.silu(project(x_BLD, self.w_gate[...], 1, self.cpu)) * project(x_BLD, self.w_up[...], 1, self.cpu)
+        return project(constrain(h_BLF, ("batch", "act_length", "act_mlp")), self.w_down[...], 1, self.cpu)
 
 
 class GeluMLP(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         D, F = cfg.d_model, cfg.d_ff
         self.w_in = normal(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
+        self.cpu = cfg.cpu_matmul
         self.bias_in = zeros((F,), ("mlp",))
         self.w_out = normal(rngs, (F, D), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
         self.bias_out = zeros((D,), ("embed",))
 
     def __call__(self, x_BLD):
-        h_BLF = jax.nn.gelu(x_BLD @ self.w_in[...] + self.bias_in[...], approximate=True)
-        return constrain(h_BLF, ("batch", "act_length", "act_mlp")) @ self.w_out[...] + self.bias_out[...]
+        h_BLF = jax.nn.gelu(project(x_BLD, self.w_in[...], 1, self.cpu) + self.bias_in[...], approximate=True)
+        return project(constrain(h_BLF, ("batch", "act_length", "act_mlp")), self.w_out[...], 1, self.cpu) + \
+            self.bias_out[...]

@@ -19,6 +19,7 @@ from jaxscale.models.layers import AXES_KEY, INNER, RESIDUAL, Attention, GeluMLP
 from jaxscale.models.moe import STATS, MoE, MoESpec
 from jaxscale.models.precision import compute_dtype
 from jaxscale.models.strategy import Strategy
+from jaxscale.names import UNROLL_UP_TO
 from jaxscale.parallel import context, executor, pipeline
 from jaxscale.sharding import Layout, constrain
 
@@ -45,20 +46,24 @@ class ModelSpec:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     remat: str = "none"
+    scan_layers: bool = True          # False: the layers as straight-line code (resolve_layer_loop)
+    cpu_matmul: bool = False          # projections with XLA:CPU's fast backward (models.matmul; one CPU device)
     attention_impl: str = "xla"       # a concrete kernel: xla | cudnn | splash (see models.attention.resolve_impl)
     attention_block: int = 512        # the blockwise kernel's tile edge (model.attention.block_size)
     moe: MoESpec = MoESpec()          # mixture of experts (moe.num_experts 0: every MLP dense)
     strategy: Strategy = Strategy()   # how the forward splits over devices (default: one program)
 
     @classmethod
-    def from_config(cls, model_cfg, attention_impl: str = "xla", strategy: Strategy = Strategy()) -> ModelSpec:
-        names = {f.name for f in dataclasses.fields(cls)} - {"moe", "strategy"}
+    def from_config(cls, model_cfg, attention_impl: str = "xla", strategy: Strategy = Strategy(),
+                    scan_layers: bool = True, cpu_matmul: bool = False) -> ModelSpec:
+        names = {f.name for f in dataclasses.fields(cls)} - {"moe", "strategy", "scan_layers", "cpu_matmul"}
         values = {k: v for k, v in model_cfg.items() if k in names}
         if "moe" in model_cfg:
             values["moe"] = MoESpec(**model_cfg.moe.to_dict())
         if "attention" in model_cfg:
             values["attention_block"] = model_cfg.attention.block_size
-        return cls(**values, attention_impl=attention_impl, strategy=strategy)
+        return cls(**values, attention_impl=attention_impl, strategy=strategy, scan_layers=scan_layers,
+                   cpu_matmul=cpu_matmul)
 
 
 def _norm(spec: ModelSpec):
@@ -169,14 +174,19 @@ class Transformer(nnx.Module):
         return constrain(logits_BLV, ("batch", "act_length", "act_vocab"))
 
     def stage_fn(self):
-        """run(stacked layer params, x, places) -> x: those layers in order (a scan, remat as set)."""
+        """run(stacked layer params, x, places) -> x: those layers in order (a scan, or unrolled
+        when spec.scan_layers is False; remat as set)."""
         graphdef, _ = nnx.split(self.layers)
 
         def run_layers(params, x_BLD, places):
             def layer(x, layer_params):
                 return nnx.merge(graphdef, layer_params)(x, places)[0], None
 
-            return jax.lax.scan(self._remat(layer), x_BLD, params)[0]
+            if self.spec.scan_layers:
+                return jax.lax.scan(self._remat(layer), x_BLD, params)[0]
+            for i in range(jax.tree.leaves(params)[0].shape[0]):  # each layer's slice of the stacked parameters
+                x_BLD = self._remat(layer)(x_BLD, jax.tree.map(lambda p, i=i: p[i], params))[0]
+            return x_BLD
 
         return run_layers
 
@@ -412,4 +422,24 @@ def model_from_config(config, platform: str, layout: Layout | None = None) -> tu
         layout, schedule=config.pipeline.schedule, microbatches=config.pipeline.microbatches,
         virtual_stages=config.pipeline.virtual_stages, context=m.attention.context_parallel,
         schedule_file=config.pipeline.schedule_file)
-    return LanguageModel(ModelSpec.from_config(m, impl, strategy)), [note] if note else []
+    one_cpu = _one_cpu_device(platform, layout)
+    cpu_matmul = m.projections == "cpu" or (m.projections == "auto" and one_cpu)
+    spec = ModelSpec.from_config(m, impl, strategy, resolve_layer_loop(m, one_cpu), cpu_matmul=cpu_matmul)
+    return LanguageModel(spec), [note] if note else []
+
+
+def _one_cpu_device(platform: str, layout: Layout | None) -> bool:
+    """A run on one CPU device: the laptop's development loop. Several CPU devices stand in for
+    accelerators (tests, plans) and get the program the accelerators would run."""
+    return platform == "cpu" and (layout is None or layout.mesh.size == 1)
+
+
+def resolve_layer_loop(model_cfg, one_cpu: bool) -> bool:
+    """Whether to scan the layers. A scan compiles one layer whatever the depth, which accelerators
+    and deep models need; on one CPU device its loop costs a small model's step 10-15% (the
+    activations saved for the backward pass are stacked and read back through dynamic slices, and
+    no fusion crosses a layer: benchmarks/RESULTS.md), so `auto` unrolls up to UNROLL_UP_TO layers
+    there."""
+    if model_cfg.layer_loop != "auto":
+        return model_cfg.layer_loop == "scan"
+    return not (one_cpu and model_cfg.num_layers <= UNROLL_UP_TO)

@@ -1,0 +1,57 @@
+"""Projections `x @ w` over x's last k axes and w's first k, and a backward pass XLA:CPU runs fast.
+
+XLA:CPU computes a weight's gradient, x^T @ dy over every token, as a dot that contracts the
+leading (token) axis of both operands. Its fast matmul path (XNNPACK/YNNPACK fusions) does not take
+that form: the dot falls back to Eigen at about half the speed, and layout assignment first
+transposes dy ([tokens, F] to [F, tokens], a strided copy). `project(..., cpu=True)` has its own
+backward in which x^T is materialised behind an optimization barrier (so the simplifier cannot
+fold the transpose back into the dot): x^T @ dy is then a plain [D, tokens] @ [tokens, F] matmul.
+On configs/tiny.py's step on one CPU device it took 87.8 -> 75.4 ms (benchmarks/torch_reference.py,
+benchmarks/RESULTS.md). On accelerators, and on several devices, the plain einsum is used: the
+partitioner places it, and the barrier would hide the transpose from it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import string
+
+import jax
+import jax.numpy as jnp
+
+
+def _spec(x_ndim: int, w_ndim: int, k: int) -> str:
+    """The einsum of x [..., C1..Ck] @ w [C1..Ck, O...] -> [..., O...]."""
+    letters = iter(string.ascii_letters)
+    batch = "".join(next(letters) for _ in range(x_ndim - k))
+    contract = "".join(next(letters) for _ in range(k))
+    out = "".join(next(letters) for _ in range(w_ndim - k))
+    return f"{batch}{contract},{contract}{out}->{batch}{out}"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _cpu_project(x, w, k: int):
+    return jnp.einsum(_spec(x.ndim, w.ndim, k), x, w)
+
+
+def _cpu_fwd(x, w, k):
+    return _cpu_project(x, w, k), (x, w)
+
+
+def _cpu_bwd(k, residuals, dy):
+    x, w = residuals
+    contract, out = math.prod(w.shape[:k]), math.prod(w.shape[k:])
+    x2, w2 = x.reshape(-1, contract), w.reshape(contract, out)
+    dy2 = dy.reshape(x2.shape[0], out)
+    dx = (dy2 @ w2.T).reshape(x.shape)
+    dw = (jax.lax.optimization_barrier(x2.T) @ dy2).reshape(w.shape)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_cpu_project.defvjp(_cpu_fwd, _cpu_bwd)
+
+
+def project(x, w, k: int = 1, cpu: bool = False):
+    """x's last k axes contracted with w's first k: [..., C...] @ [C..., O...] -> [..., O...]."""
+    return _cpu_project(x, w, k) if cpu else jnp.einsum(_spec(x.ndim, w.ndim, k), x, w)
