@@ -1,4 +1,5 @@
-"""CLI: python -m jaxscale.launch --nproc N [--devices_per_proc K] [--grace_s S] -- COMMAND ...
+"""CLI: python -m jaxscale.launch --nproc N [--devices_per_proc K] [--grace_s S]
+                                 [--max_restarts R] [--min_nproc M] -- COMMAND ...
 
 Starts N local processes of COMMAND that join one jax.distributed job (process 0 coordinates on
 127.0.0.1 at a free port), for developing and testing multi-host behaviour on one machine.
@@ -8,6 +9,15 @@ its own session, so a terminal's Ctrl-C reaches them only through here). When a 
 the others get SIGTERM, then SIGKILL after `--grace_s`, and the launcher exits with the failed
 process's code. On clusters, start processes with the scheduler (configs/cluster/).
 
+Restarts (`--max_restarts R`, TorchElastic's semantics on one machine): when a process fails,
+the others are stopped and the job starts again, up to R times in all, with the processes that
+are healthy: a process killed by a signal (SIGKILL: its host is gone) is left out, one that
+exited with an error is started again. At least `--min_nproc` (default N) must remain. COMMAND
+must resume by itself (`jaxscale.train` does, from the workdir's latest checkpoint; with
+`mesh.data=-1` the data axis takes up the new device count). Each restart is logged with the
+reason, the last step the job reported and the new process count. A SIGTERM or SIGINT to the
+launcher stops the job for good.
+
 Exit codes: 0 every process finished with 0; 2 bad flags; otherwise the first failure's code.
 """
 
@@ -15,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,7 +33,9 @@ import sys
 import threading
 import time
 
-USAGE = "usage: python -m jaxscale.launch --nproc N [--devices_per_proc K] [--grace_s S] -- COMMAND ..."
+USAGE = ("usage: python -m jaxscale.launch --nproc N [--devices_per_proc K] [--grace_s S] [--max_restarts R] "
+         "[--min_nproc M] -- COMMAND ...")
+STEP = re.compile(r"^step (\d+) ")
 
 
 def _free_port() -> int:
@@ -45,9 +58,16 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--nproc", type=int, required=True)
     parser.add_argument("--devices_per_proc", type=int, default=0)
     parser.add_argument("--grace_s", type=float, default=30.0)
+    parser.add_argument("--max_restarts", type=int, default=0)
+    parser.add_argument("--min_nproc", type=int, default=0)
     flags = parser.parse_args(argv[:split])
     if flags.nproc < 1:
         raise ValueError(f"--nproc={flags.nproc}: give the number of processes (>= 1)")
+    if flags.max_restarts < 0:
+        raise ValueError(f"--max_restarts={flags.max_restarts}: give how many restarts the job may use (>= 0)")
+    flags.min_nproc = flags.min_nproc or flags.nproc
+    if not 1 <= flags.min_nproc <= flags.nproc:
+        raise ValueError(f"--min_nproc={flags.min_nproc}: give a count between 1 and --nproc={flags.nproc}")
     return flags, argv[split + 1:]
 
 
@@ -63,9 +83,12 @@ def child_env(index: int, nproc: int, port: int, devices: int, base=None) -> dic
     return env
 
 
-def _relay(index: int, stream, lock: threading.Lock) -> None:
-    """Copy a child's output to ours, each line prefixed with its index."""
+def _relay(index: int, stream, lock: threading.Lock, last_step: list) -> None:
+    """Copy a child's output to ours, each line prefixed with its index; note the last step line."""
     for line in stream:
+        found = STEP.match(line)
+        if found:
+            last_step[0] = int(found.group(1))
         with lock:
             sys.stdout.write(f"[{index}] {line}")
             sys.stdout.flush()
@@ -75,11 +98,11 @@ class Job:
     """The started processes, their output relays, and stopping them."""
 
     def __init__(self, command: list[str], nproc: int, devices: int):
-        port, lock = _free_port(), threading.Lock()
+        port, lock, self.last_step = _free_port(), threading.Lock(), [None]
         self.procs = [subprocess.Popen(command, env=child_env(i, nproc, port, devices), stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
                       for i in range(nproc)]
-        self.relays = [threading.Thread(target=_relay, args=(i, p.stdout, lock), daemon=True)
+        self.relays = [threading.Thread(target=_relay, args=(i, p.stdout, lock, self.last_step), daemon=True)
                        for i, p in enumerate(self.procs)]
         for relay in self.relays:
             relay.start()
@@ -114,23 +137,66 @@ def _shell_code(returncode: int) -> int:
     return returncode if returncode > 0 else 128 - returncode
 
 
-def run(command: list[str], nproc: int, devices: int, grace_s: float) -> int:
-    job = Job(command, nproc, devices)
-    forward = lambda signum, frame: job.signal(signum)  # noqa: E731
+def _wait(job: Job, grace_s: float) -> tuple[int, list[int]]:
+    """Until every process has exited, or one fails and the others are stopped: (the job's exit
+    code, the processes killed by SIGKILL, as a lost host's are, when it failed)."""
+    while job.running():
+        failed = job.first_failure()
+        if failed is not None:
+            index, code = failed
+            lost = [i for i, p in enumerate(job.procs) if p.poll() == -signal.SIGKILL]
+            print(f"jaxscale.launch: process {index} exited with {code}; stopping the others", file=sys.stderr,
+                  flush=True)
+            job.stop(grace_s)
+            return _shell_code(code), lost
+        time.sleep(0.05)
+    job.stop(grace_s)  # all have exited; joins the relays
+    failed = job.first_failure()
+    return (0, []) if failed is None else (_shell_code(failed[1]), [])
+
+
+def _restart_with(nproc: int, lost: list[int], min_nproc: int, restarts: int, max_restarts: int,
+                  last_step: int | None) -> int | None:
+    """The process count to start again with (logged), or None (logged) when the job stops here."""
+    healthy, after = nproc - len(lost), "before any step" if last_step is None else f"after step {last_step}"
+    if restarts >= max_restarts:
+        if max_restarts:
+            print(f"jaxscale.launch: {restarts} of --max_restarts={max_restarts} used; not restarting",
+                  file=sys.stderr, flush=True)
+        return None
+    if healthy < min_nproc:
+        print(f"jaxscale.launch: {healthy} healthy processes, fewer than --min_nproc={min_nproc}; not restarting",
+              file=sys.stderr, flush=True)
+        return None
+    reason = f"processes {lost} were killed (lost)" if lost else "a process failed (restarting all)"
+    print(f"jaxscale.launch: restart {restarts + 1}/{max_restarts} {after}: {reason}; starting {healthy} processes",
+          file=sys.stderr, flush=True)
+    return healthy
+
+
+def run(command: list[str], nproc: int, devices: int, grace_s: float, max_restarts: int = 0,
+        min_nproc: int | None = None) -> int:
+    """The job, started again after failures as `max_restarts` and `min_nproc` allow; its exit code."""
+    current: dict = {"job": None, "stopping": False}
+
+    def forward(signum, frame):
+        current["stopping"] = True  # a signal from outside ends the job for good: no restart after it
+        if current["job"] is not None:
+            current["job"].signal(signum)
+
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        while job.running():
-            failed = job.first_failure()
-            if failed is not None:
-                index, code = failed
-                print(f"jaxscale.launch: process {index} exited with {code}; stopping the others", file=sys.stderr,
-                      flush=True)
-                job.stop(grace_s)
-                return _shell_code(code)
-            time.sleep(0.05)
-        job.stop(grace_s)  # all have exited; joins the relays
-        failed = job.first_failure()
-        return 0 if failed is None else _shell_code(failed[1])
+        for restarts in range(max_restarts + 1):
+            current["job"] = job = Job(command, nproc, devices)
+            # Before a restart the others cannot finish a collective save without the failed one:
+            # stop them at once; the new job resumes from the last committed checkpoint.
+            code, lost = _wait(job, grace_s if restarts == max_restarts else 0.0)
+            if code == 0 or current["stopping"]:
+                return code
+            nproc = _restart_with(nproc, lost, min_nproc or nproc, restarts, max_restarts, job.last_step[0])
+            if nproc is None:
+                return code
+        return code
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -146,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"jaxscale.launch: error: {error}", file=sys.stderr)
         return 2
-    return run(command, flags.nproc, flags.devices_per_proc, flags.grace_s)
+    return run(command, flags.nproc, flags.devices_per_proc, flags.grace_s, flags.max_restarts, flags.min_nproc)
 
 
 if __name__ == "__main__":

@@ -68,11 +68,14 @@ def test_incomplete_settings_are_one_line_errors(env, cfg, match):
 def test_launcher_flags_and_environment():
     flags, command = parse(["--nproc", "2", "--devices_per_proc=4", "--", "python", "-m", "x", "--nproc=9"])
     assert (flags.nproc, flags.devices_per_proc, flags.grace_s) == (2, 4, 30.0)
+    assert (flags.max_restarts, flags.min_nproc) == (0, 2)  # no restarts; all processes needed
     assert command == ["python", "-m", "x", "--nproc=9"]  # everything after -- belongs to the command
     env = child_env(1, 2, 5555, 4, base={"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --other"})
     assert env["XLA_FLAGS"] == "--other --xla_force_host_platform_device_count=4"
     for argv, message in ((["--nproc=2"], "missing the command"), (["--nproc=0", "--", "x"], "--nproc=0"),
-                          (["--nproc=2", "--bogus=1", "--", "x"], "unrecognized arguments: --bogus=1")):
+                          (["--nproc=2", "--bogus=1", "--", "x"], "unrecognized arguments: --bogus=1"),
+                          (["--nproc=2", "--max_restarts=-1", "--", "x"], "--max_restarts=-1"),
+                          (["--nproc=2", "--min_nproc=3", "--", "x"], "--min_nproc=3: give a count between 1 and")):
         with pytest.raises(ValueError, match=message):
             parse(argv)
 
