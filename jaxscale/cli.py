@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from jaxscale.errors import ConfigError, RunError
+from jaxscale.errors import ConfigError, PreflightError, RunError
 
 
 def parse_flags(argv: list[str], usage: str, extra: dict[str, type]) -> tuple[str, list[str], dict]:
@@ -68,6 +68,9 @@ def _exit_code(call: Callable[[], None]) -> int:
     except ConfigError as error:
         print(f"jaxscale: error: {error}", file=sys.stderr)
         return 2
+    except PreflightError as error:
+        print(f"jaxscale: error: {error}", file=sys.stderr)
+        return 3
     except RunError as error:
         print(f"jaxscale: error: {error}", file=sys.stderr)
         return 1

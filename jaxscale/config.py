@@ -140,6 +140,7 @@ def _add_operations(c: ml_collections.ConfigDict) -> None:
         watchdog_seconds=600.0,     # no step completed for this long: dump every thread's stack, exit 1 (0 = off)
         straggler_every=100,        # every N steps compare processes' host time per step (0 = off)
         straggler_threshold=0.2,    # report a process slower than the median by more than this fraction
+        preflight=True,             # more than one process: check devices, collectives and the checkpoint dir first
     )
     c.profile = dict(
         start_step=0,          # trace steps start_step .. start_step+steps-1 into WORKDIR/profile

@@ -20,6 +20,11 @@ class RunError(RuntimeError):
     be written): the CLI prints ``str(error)`` as one line and exits with code 1."""
 
 
+class PreflightError(RunError):
+    """A pre-flight check of a multi-process job failed on some process (jaxscale.preflight): the
+    CLI prints it as one line and exits with code 3, before the model compiles."""
+
+
 def require(ok: bool, field: str, value, fix: str) -> None:
     """Raise ConfigError(field, value, fix) unless `ok`: the one form every config check takes."""
     if not ok:

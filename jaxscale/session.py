@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jax
 
-from jaxscale import compile_cache, inspection, resume, xla_flags
+from jaxscale import compile_cache, inspection, preflight, resume, xla_flags
 from jaxscale import config as config_lib
 from jaxscale import report as report_lib
 from jaxscale.build import Run, build
@@ -111,6 +111,8 @@ def open_session(config, workdir: str | Path, show_progress: bool = True, device
     workdir, devices, opened = Path(workdir), list(devices or jax.devices()), time.perf_counter()
     cache_note = compile_cache.enable(config.xla)
     run = _build(config, devices)  # validated, and the data found, before the workdir is touched
+    if config.distributed.preflight and jax.process_count() > 1:
+        preflight.check(run.layout.mesh, workdir / CHECKPOINTS, _print_once)
     data = make_data(config, run.batch_sharding)
     with (contextlib.ExitStack() as stack, WorkdirLock(workdir),
           Checkpointer(workdir / CHECKPOINTS, config.checkpoint) as checkpointer):
@@ -121,6 +123,12 @@ def open_session(config, workdir: str | Path, show_progress: bool = True, device
             _describe(run, data, live, workdir)
             tracker = stack.enter_context(contextlib.closing(Tracker.open(workdir, config, tracker_ids)))
             yield Session(run, data, live, _services(config, workdir, checkpointer, tracker, display), opened)
+
+
+def _print_once(line: str) -> None:
+    """Print on process 0 only (before the console exists)."""
+    if jax.process_index() == 0:
+        print(line, flush=True)
 
 
 def _services(config, workdir: Path, checkpointer: Checkpointer, tracker: Tracker, display) -> Services:

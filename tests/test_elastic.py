@@ -59,3 +59,16 @@ def test_a_killed_process_restarts_the_job_with_the_others(tmp_path):
     got, want = _losses(workdir), _losses(reference)
     assert sorted(want) == list(range(resumed + 1, STEPS + 1))
     np.testing.assert_allclose([got[s] for s in sorted(want)], [want[s] for s in sorted(want)], rtol=1e-5)
+
+
+def test_a_device_that_answers_wrong_stops_the_job_before_it_compiles(tmp_path):
+    cmd = [sys.executable, "-m", "jaxscale.launch", "--nproc=2", "--devices_per_proc=2", "--",
+           sys.executable, "-m", "jaxscale.train", *_train_args(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, env={**cli_env(), "JAXSCALE_PREFLIGHT_INJECT": "wrong_answer@1"},
+                          capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 3, out[-3000:]  # the pre-flight exit code, from the process that failed first
+    errors = [line for line in out.splitlines() if "jaxscale: error: preflight failed" in line]
+    assert len(errors) == 2, out[-3000:]  # every process stops, naming the same culprit
+    assert all("process 1: its device 0 (id " in line and "computed a wrong answer" in line for line in errors), errors
+    assert "compiled the train step" not in out and not (tmp_path / "metrics.jsonl").exists()

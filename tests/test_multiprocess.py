@@ -6,6 +6,7 @@ or a hang of one process ends the job in bounded time (and the watchdog behind t
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,6 +75,10 @@ def test_two_processes_match_one(tmp_path, layout, single):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "[0] process 0 of 2: 4 devices, reads rows 0:8" in done.stdout
     assert "[1] process 1 of 2: 4 devices, reads rows 8:16" in done.stdout
+    # The pre-flight checks ran first: every device answered, the directory, an all-reduce per axis.
+    axes = "data=2 .* GB/s, fsdp=4 .* GB/s" if layout else "data=8 .* GB/s"
+    assert re.search(r"\[0\] preflight: 2 processes, 8 devices answered; checkpoint directory writable; "
+                     rf"all-reduce bus bandwidth {axes}\n", done.stdout), done.stdout[-3000:]
     multi = _records(tmp_path / "mp")
     reference = train(_single(single), tmp_path / "single", show_progress=False)
     assert [r["step"] for r in multi] == [1, 2, 3, 4, 5, 6]
