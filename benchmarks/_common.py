@@ -30,6 +30,13 @@ def fake_cpu_devices(count: int) -> None:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+def tiny_config(overrides: list[str]):
+    """configs/tiny.py with `a.b=value` overrides (as --config.a.b=value)."""
+    from jaxscale import cli
+
+    return cli.load_config(str(ROOT / "configs" / "tiny.py"), overrides)
+
+
 def add_flags(parser) -> None:
     """The output flags every benchmark takes."""
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

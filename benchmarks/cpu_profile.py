@@ -29,7 +29,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
-from torch_reference import SHAPES, SMOKE, _config  # noqa: E402
+from torch_reference import SHAPES, SMOKE  # noqa: E402
 
 KINDS = (("matmul", ("ynn_fusion", "xnn_fusion", "dot")), ("copy/transpose", ("copy", "transpose")),
          ("broadcast", ("broadcast",)), ("stacked slices", ("dynamic-slice", "dynamic-update-slice")))
@@ -65,13 +65,10 @@ def _origin(hlo: str, name: str) -> str:
 
 
 def profile(overrides: list[str], steps: int, top: int) -> dict:
-    from jaxscale.build import build
-    from jaxscale.data import make_data
+    import _steps
 
-    config = _config(overrides)
-    run = build(config)
-    compiled, _ = run.compile()
-    state, batches = run.init_state(), make_data(config, run.batch_sharding).train_batches(0)
+    config = _common.tiny_config(overrides)
+    run, compiled, _, state, batches = _steps.prepare(config)
     for _ in range(3):
         state, metrics = compiled(state, next(batches))
     jax.block_until_ready(metrics)

@@ -112,12 +112,6 @@ def run_prepare(inputs: str, out: Path, spec: str, workers: int) -> dict:
             "peak_mib": int(next(g for g in peak.groups() if g))}
 
 
-def _config(overrides: list[str]):
-    from jaxscale import cli
-
-    return cli.load_config(str(_common.ROOT / "configs" / "tiny.py"), overrides)
-
-
 def loader_rates(mixture: str, tokenizer: str, rounds: int, steps: int) -> dict:
     """Median windows/s of Data.local_batch and of Data.train_batches over `rounds`."""
     import jax
@@ -125,7 +119,7 @@ def loader_rates(mixture: str, tokenizer: str, rounds: int, steps: int) -> dict:
     from jaxscale.build import build
     from jaxscale.data import make_data
 
-    config = _config([f"data.mixture={mixture}", f"data.tokenizer={tokenizer}", "model.vocab_size=8192",
+    config = _common.tiny_config([f"data.mixture={mixture}", f"data.tokenizer={tokenizer}", "model.vocab_size=8192",
                       f"train.seq_len={SEQ_LEN}", f"train.global_batch_size={BATCH}"])
     data = make_data(config, build(config).batch_sharding)
     direct, threaded = [], []
@@ -148,7 +142,7 @@ def step_consumption(overrides: list[str], rounds: int) -> dict:
     """configs/tiny.py's train step here: windows per step and step seconds (median)."""
     import _steps
 
-    config = _config(overrides)
+    config = _common.tiny_config(overrides)
     timed = _steps.stepper(config, steps=5)
     seconds = statistics.median(timed.timed() for _ in range(rounds))
     batch = config.train.global_batch_size

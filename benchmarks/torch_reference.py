@@ -36,12 +36,6 @@ SHAPES = {
 SMOKE = ["model.num_layers=1", "train.global_batch_size=4", "train.seq_len=32"]
 
 
-def _config(overrides: list[str]):
-    from jaxscale import cli
-
-    return cli.load_config(str(_common.ROOT / "configs" / "tiny.py"), overrides)
-
-
 class TorchModel:
     """The jaxscale model's math in PyTorch, its parameters copied from jaxscale's."""
 
@@ -153,21 +147,20 @@ def compare(shape: str, overrides: list[str], rounds: int, steps: int) -> dict:
     """One shape: the first two losses of each side, median step times and their ratio."""
     import jax
 
-    from jaxscale.build import build
     from jaxscale.data import make_data
     from jaxscale.optim import make_schedule
 
-    config = _config(overrides)
-    run = build(config)
-    compiled, _ = run.compile()
-    state = run.init_state()
+    import _steps
+
+    config = _common.tiny_config(overrides)
+    run, compiled, _, state, ours = _steps.prepare(config)
     params = jax.device_get(state.params)
-    batches = make_data(config, run.batch_sharding).train_batches(0)
-    held = [jax.device_get(next(batches)) for _ in range(8)]
+    same = make_data(config, run.batch_sharding).train_batches(0)  # the same batches, for the PyTorch side
+    held = [jax.device_get(next(same)) for _ in range(8)]
     torch_step, torch_timed = torch_stepper(params, run.model.spec, config.optim,
                                             make_schedule(config.optim, config.train.steps), held)
     losses = {"torch": [torch_step(), torch_step()], "jaxscale": []}
-    live = {"state": state, "batches": make_data(config, run.batch_sharding).train_batches(0)}
+    live = {"state": state, "batches": ours}
 
     def jax_timed(n: int) -> float:
         start = time.perf_counter()

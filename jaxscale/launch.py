@@ -185,18 +185,19 @@ def run(command: list[str], nproc: int, devices: int, grace_s: float, max_restar
             current["job"].signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    restarts, min_nproc = 0, min_nproc or nproc
     try:
-        for restarts in range(max_restarts + 1):
+        while True:
             current["job"] = job = Job(command, nproc, devices)
             # Before a restart the others cannot finish a collective save without the failed one:
             # stop them at once; the new job resumes from the last committed checkpoint.
             code, lost = _wait(job, grace_s if restarts == max_restarts else 0.0)
             if code == 0 or current["stopping"]:
                 return code
-            nproc = _restart_with(nproc, lost, min_nproc or nproc, restarts, max_restarts, job.last_step[0])
+            nproc = _restart_with(nproc, lost, min_nproc, restarts, max_restarts, job.last_step[0])
             if nproc is None:
                 return code
-        return code
+            restarts += 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -88,8 +88,9 @@ def prepare(flags: dict, say=print) -> dict:
         tokenizer = load_tokenizer(spec)
         manifest, units = engine.plan(flags["input"], tokenizer, spec, text_field, max(1, int(shard_mb * 2**20)))
     engine.begin(out, manifest)
-    todo = [(i, u, str(out), text_field) for i, u in enumerate(units) if not store.is_done(out, i)]
-    kept = sum(u.size for i, u in enumerate(units) if store.is_done(out, i))
+    written = {i for i in range(len(units)) if store.is_done(out, i)}
+    todo = [(i, u, str(out), text_field) for i, u in enumerate(units) if i not in written]
+    kept = sum(units[i].size for i in written)
     if len(todo) < len(units):
         say(f"continuing {out}: {len(units) - len(todo)} of {len(units)} shards were written before")
     total, start, counters = sum(u.size for u in units), time.perf_counter(), []

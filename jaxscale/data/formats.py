@@ -23,7 +23,6 @@ from pathlib import Path
 from jaxscale.errors import ConfigError
 
 TEXT_SUFFIXES = (".txt", ".md")  # other suffixes are read as text too, if they look like text
-TOKEN_SUFFIXES = (".bin", ".npy")
 # name ending -> kind; the longest endings first. '.json' is read as JSON lines, one object a line.
 KINDS = ((".jsonl.gz", "jsonl.gz"), (".json.gz", "jsonl.gz"), (".jsonl.zst", "jsonl.zst"),
          (".json.zst", "jsonl.zst"), (".jsonl", "jsonl"), (".json", "jsonl"), (".parquet", "parquet"),
@@ -158,10 +157,10 @@ def _record_text(line: bytes, field: str, path: str, where: str) -> str | None:
         raise ConfigError(PATH, path, f"{where} is a JSON {type(record).__name__}; give one object per line")
     if field not in record:
         raise ConfigError(TEXT_FIELD, field, f"{where} of {path} has keys {sorted(record)}; name the text key")
-    return text_value(record[field], f"{where} of {path}", field)
+    return _text_value(record[field], f"{where} of {path}", field)
 
 
-def text_value(value, where: str, field: str) -> str:
+def _text_value(value, where: str, field: str) -> str:
     if not isinstance(value, str):
         raise ConfigError(TEXT_FIELD, field, f"{where} holds {type(value).__name__}, not text; name a string field")
     return value
@@ -219,7 +218,7 @@ def _parquet(unit: Unit, field: str) -> Iterator[Piece]:
     for group in range(unit.start, unit.stop):
         for batch in parquet.iter_batches(batch_size=PARQUET_ROWS, row_groups=[group], columns=[field]):
             for value in batch.column(0).to_pylist():
-                yield text_value(value, f"a row of {unit.path}", field), True, done
+                yield _text_value(value, f"a row of {unit.path}", field), True, done
         done += parquet.metadata.row_group(group).total_byte_size
 
 
@@ -237,10 +236,10 @@ def _arrow(unit: Unit, field: str) -> Iterator[Piece]:
                               "name the text column")
         for batch in reader:
             for value in batch.column(field).to_pylist():
-                yield text_value(value, f"a row of {unit.path}", field), True, source.tell()
+                yield _text_value(value, f"a row of {unit.path}", field), True, source.tell()
 
 
-def looks_binary(path: Path) -> bool:
+def _looks_binary(path: Path) -> bool:
     # NUL bytes do not occur in real text but fill compressed and binary formats.
     with open(path, "rb") as head:
         return b"\0" in head.read(1 << 16)
@@ -249,7 +248,7 @@ def looks_binary(path: Path) -> bool:
 def _text(unit: Unit, field: str) -> Iterator[Piece]:
     """One document, in pieces that end at line ends (so no character is split)."""
     path = Path(unit.path)
-    if path.suffix not in TEXT_SUFFIXES and looks_binary(path):
+    if path.suffix not in TEXT_SUFFIXES and _looks_binary(path):
         raise ConfigError(PATH, unit.path, f"unknown extension {path.suffix!r} and not text; {SUPPORTED}")
     with open(path, "rb") as text:
         while chunk := text.read(TEXT_CHUNK) + text.readline():

@@ -81,8 +81,8 @@ class Data:
         self._val = StepBatches(val, settings.global_batch, rows)
 
     def identity(self) -> dict:
-        """What a checkpoint records of the data beside its position: each source's name, weight,
-        windows and tokens (a resume on other data is told so)."""
+        """What a checkpoint records of the data beside its position: each source's name, weight
+        and training windows (a resume on other data is told so)."""
         return {"sources": [{"name": s.name, "weight": s.weight, "windows": len(s.train)} for s in self.splits]}
 
     def stats(self, step: int) -> dict[str, float]:
@@ -127,13 +127,8 @@ def _split(source: sources.Source, s: DataSettings, eos_id: int | None) -> Split
 
 
 def _file_splits(s: DataSettings, tokenizer: Tokenizer) -> tuple[list[Split], tuple[str, ...]]:
-    named = [(name, path, weight, "data.mixture") for name, path, weight in s.mixture] or [("data", s.path, 1.0,
-                                                                                             "data.path")]
-    loaded = []
-    for name, path, weight, field in named:
-        source = sources.load(name, path, s, tokenizer, field)
-        source.weight = weight
-        loaded.append(source)
+    named = [(*entry, "data.mixture") for entry in s.mixture] or [("data", s.path, 1.0, "data.path")]
+    loaded = [sources.load(name, path, s, tokenizer, field, weight) for name, path, weight, field in named]
     eos_id = tokenizer.eos_id if s.document_mask else None
     encoded = sum(source.encoded_bytes for source in loaded)
     notes = (sources.PREPARE_NOTE.format(mib=encoded / 2**20, files="text files are"),) if encoded else ()

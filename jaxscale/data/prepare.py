@@ -22,6 +22,7 @@ from jaxscale.errors import ConfigError, RunError
 # Field names of the errors the data readers raise, as prepare's flags.
 FLAGS = {formats.PATH: "--input", formats.TEXT_FIELD: "--text_field", "data.tokenizer": "--tokenizer"}
 Task = tuple[int, formats.Unit, str, str]  # (shard index, unit, store directory, text field)
+PLAN_KEYS = ("name", "input", "kind", "start", "stop")  # a shard's entry in the plan
 
 
 @contextlib.contextmanager
@@ -53,8 +54,8 @@ def plan(inputs: str, tokenizer: Tokenizer, spec: str, text_field: str, unit_byt
         "dtype": encode.token_dtype(tokenizer.vocab_size).name,
         "inputs": [{"path": str(p.resolve()), "bytes": s.st_size, "mtime_ns": s.st_mtime_ns}
                    for p, s in zip(paths, stats)],
-        "shards": [{"name": store.shard_name(i), "input": number, "kind": unit.kind, "start": unit.start,
-                    "stop": unit.stop} for i, (number, unit) in enumerate(units)],
+        "shards": [dict(zip(PLAN_KEYS, (store.shard_name(i), number, unit.kind, unit.start, unit.stop)))
+                   for i, (number, unit) in enumerate(units)],
     }
     return manifest, [unit for _, unit in units]
 
@@ -63,11 +64,7 @@ def begin(out: Path, manifest: dict) -> None:
     """Start the store at `out`, or continue the one there if it was begun with the same plan."""
     out.mkdir(parents=True, exist_ok=True)
     if (out / store.MANIFEST).exists():
-        before = store.read_manifest(out, "--out")
-        same = {k: v for k, v in before.items() if k not in ("complete", "shards", "tokens", "documents")}
-        shards = [{k: s[k] for k in ("name", "input", "kind", "start", "stop")} for s in before.get("shards", [])]
-        if same != {k: v for k, v in manifest.items() if k not in ("complete", "shards")} \
-                or shards != manifest["shards"]:
+        if _plan_of(store.read_manifest(out, "--out")) != _plan_of(manifest):
             raise ConfigError("--out", str(out), "holds a store begun from other inputs or settings; "
                               "use a new --out, or run the command that began it")
     elif any(out.iterdir()):
@@ -75,6 +72,12 @@ def begin(out: Path, manifest: dict) -> None:
     else:
         store.write_json(out / store.MANIFEST, manifest)
     store.remove_partial(out)
+
+
+def _plan_of(manifest: dict) -> dict:
+    """A manifest without what finish() adds (the completion flag, totals, per-shard counts)."""
+    plan = {k: v for k, v in manifest.items() if k not in ("complete", "shards", "tokens", "documents")}
+    return {**plan, "shards": [{k: s[k] for k in PLAN_KEYS} for s in manifest.get("shards", [])]}
 
 
 def finish(out: Path, manifest: dict) -> dict:

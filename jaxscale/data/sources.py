@@ -100,7 +100,8 @@ def _store_shards(path: Path, settings: DataSettings, tokenizer: Tokenizer, fiel
     return opened.shards
 
 
-def load(name: str, spec: str, settings: DataSettings, tokenizer: Tokenizer, field: str = "data.path") -> Source:
+def load(name: str, spec: str, settings: DataSettings, tokenizer: Tokenizer, field: str = "data.path",
+         weight: float = 1.0) -> Source:
     """The source `spec` names, every file checked; ConfigError(field or the part at fault) else."""
     pieces, encoded = [], 0
     for path in formats.expand(spec, field):
@@ -112,7 +113,7 @@ def load(name: str, spec: str, settings: DataSettings, tokenizer: Tokenizer, fie
             check_tokenizer_vocab(tokenizer, settings.vocab_size)  # before encoding, so a mismatch fails fast
             pieces.append(encode_all(formats.read(formats.whole_file(path), settings.text_field), tokenizer))
             encoded += path.stat().st_size
-    return Source(name, pieces, encoded_bytes=encoded)
+    return Source(name, pieces, weight, encoded)
 
 
 def embedded(settings: DataSettings, tokenizer: Tokenizer) -> Source:

@@ -182,10 +182,11 @@ class Transformer(nnx.Module):
             def layer(x, layer_params):
                 return nnx.merge(graphdef, layer_params)(x, places)[0], None
 
+            step = self._remat(layer)
             if self.spec.scan_layers:
-                return jax.lax.scan(self._remat(layer), x_BLD, params)[0]
+                return jax.lax.scan(step, x_BLD, params)[0]
             for i in range(jax.tree.leaves(params)[0].shape[0]):  # each layer's slice of the stacked parameters
-                x_BLD = self._remat(layer)(x_BLD, jax.tree.map(lambda p, i=i: p[i], params))[0]
+                x_BLD = step(x_BLD, jax.tree.map(lambda p, i=i: p[i], params))[0]
             return x_BLD
 
         return run_layers
