@@ -115,6 +115,10 @@ def _add_training(c: ml_collections.ConfigDict) -> None:
         init_from="",          # when WORKDIR has no checkpoint: take only the parameters from this checkpoint
                                # (fine-tuning: fresh optimizer, step 0, data from the start)
         preemption_timeout_s=120.0,  # after SIGTERM/SIGINT, exit 1 if the final checkpoint has not committed by then
+        local_every_steps=0,   # also keep each process's blocks (and a peer's) in host memory every N steps (0 = off);
+                               # a restarted job resumes the newest such copy that is newer than the persistent one
+        local_dir="",          # where those copies live: a local directory ({process}: the process index);
+                               # "" = /dev/shm/jaxscale-USER/<workdir hash>, shared by the processes of a machine
     )
     c.offload = dict(
         optimizer_state=False,   # keep Adam moments in pinned host memory between steps (ZeRO-Offload style)

@@ -97,10 +97,13 @@ def preemption(session: Session, s: Stretch) -> None:
 
 
 def checkpoint(session: Session, s: Stretch) -> None:
-    if s.stop or s.step == s.last or session.services.checkpointer.due(s.step):
+    """A persistent save when due (and at the last step or a stop), else a local one when due."""
+    persistent = s.stop or s.step == s.last or session.services.checkpointer.due(s.step)
+    local = session.services.local
+    if persistent or (local is not None and local.due(s.step)):
         jax.block_until_ready(session.live.state)  # finishing the queued steps is step time, not saving
         began = time.perf_counter()
-        session.save(s.step)
+        session.save(s.step) if persistent else local.save(s.step, session.live.state, session.position())
         s.clock.save += time.perf_counter() - began
 
 
@@ -192,6 +195,8 @@ def _roll_back(session: Session, step: int) -> bool:
         return False
     live.state, live.rollbacks = restored.state, live.rollbacks + 1
     checkpointer.discard_after(restored.step)  # the abandoned trajectory's saves
+    if session.services.local is not None:
+        session.services.local.discard(keep=lambda kept: kept <= restored.step)
     skipped = live.data_step - restored.position["global_sample"] // session.run.config.train.global_batch_size
     say(f"rollback: loss spike at step {step}; restored step {restored.step} and skip the {skipped} batches "
         f"trained on since it (next batch: {live.data_step})")

@@ -12,7 +12,6 @@ process P's first device answer wrong: a testing aid, as fault injection in the 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -20,14 +19,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.errors import PreflightError
+from jaxscale.exchange import allgather_json
 
 INJECT = "JAXSCALE_PREFLIGHT_INJECT"
-MESSAGE_BYTES = 1024  # each process's findings, JSON, in a fixed-size buffer for the all-gather
 PROBE_BYTES = 4 * 2**20  # the all-reduce timed on each mesh axis
 
 
@@ -59,11 +57,7 @@ def _directory_fault(directory: Path) -> list[str]:
 
 def _exchange(faults: list[str]) -> dict[int, list[str]]:
     """Every process's findings, by process index (a collective over all processes)."""
-    raw = json.dumps(faults)[:MESSAGE_BYTES].encode()
-    buffer = np.zeros(MESSAGE_BYTES, np.uint8)
-    buffer[:len(raw)] = np.frombuffer(raw, np.uint8)
-    gathered = np.asarray(multihost_utils.process_allgather(buffer)).reshape(-1, MESSAGE_BYTES)
-    return {i: json.loads(bytes(row).rstrip(b"\0").decode() or "[]") for i, row in enumerate(gathered)}
+    return dict(enumerate(allgather_json(faults)))
 
 
 def _axis_bandwidth(mesh, axis: str) -> tuple[bool, float]:

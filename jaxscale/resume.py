@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import jax
 
-from jaxscale.checkpoint import Checkpointer, compat, locate
+from jaxscale.checkpoint import Checkpointer, LocalCheckpointer, Restored, compat, locate
 from jaxscale.errors import ConfigError, RunError
 from jaxscale.runstate import RunState
 
@@ -59,11 +59,17 @@ def _checker(run, start: Start, say: Callable[[str], None]):
     return check
 
 
-def apply(start: Start, run, say: Callable[[str], None], data: dict | None = None) -> tuple[RunState, dict]:
+def apply(start: Start, run, say: Callable[[str], None], data: dict | None = None,
+          local: LocalCheckpointer | None = None) -> tuple[RunState, dict]:
     """(the state and data position to train from, the tracker run ids saved with the
-    checkpoint). A foreign checkpointer (resume_from, init_from) is closed afterwards; a fresh
-    state is made only when nothing is restored, so a run never holds two. `data` is the run's
-    Data.identity(): a checkpoint written reading other data resumes with a note saying so."""
+    checkpoint). The workdir's local checkpoints (`local`) come first when they are newer than
+    its persistent ones. A foreign checkpointer (resume_from, init_from) is closed afterwards; a
+    fresh state is made only when nothing is restored, so a run never holds two. `data` is the
+    run's Data.identity(): a checkpoint written reading other data resumes with a note saying so."""
+    if local is not None and not start.field:
+        restored = _from_local(local, start, run, say)
+        if restored is not None:
+            return _resumed(restored, run, say, data, start)
     if start.kind == "fresh":
         return RunState(run.init_state()), {}
     try:
@@ -81,6 +87,20 @@ def apply(start: Start, run, say: Callable[[str], None], data: dict | None = Non
         say(f"initialised parameters from {start.checkpointer.directory}/{restored.step}; "
             "fresh optimizer state, step 0")
         return RunState(run.init_state(params=restored.state["params"])), {}
+    return _resumed(restored, run, say, data, start)
+
+
+def _from_local(local: LocalCheckpointer, start: Start, run, say) -> Restored | None:
+    """The newest local checkpoint newer than the workdir's persistent ones, or None."""
+    newest = start.checkpointer.latest_step() if start.kind == "resume" else None
+    found = local.restore(run.abstract_state, newest, say)
+    if found is None:
+        return None
+    step, state, position = found
+    return Restored(step, state, position, {}, {})
+
+
+def _resumed(restored: Restored, run, say, data: dict | None, start: Start) -> tuple[RunState, dict]:
     ids = {} if start.field else restored.position.get("tracking", {})  # another run's trackers stay its own
     if data is not None and restored.position.get("data", data) != data:
         say(f"note: the checkpoint was written reading {restored.position['data']}; the data now is {data}: "

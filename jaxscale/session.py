@@ -20,7 +20,7 @@ from jaxscale import compile_cache, inspection, preflight, resume, xla_flags
 from jaxscale import config as config_lib
 from jaxscale import report as report_lib
 from jaxscale.build import Run, build
-from jaxscale.checkpoint import CHECKPOINTS, Checkpointer
+from jaxscale.checkpoint import CHECKPOINTS, Checkpointer, LocalCheckpointer
 from jaxscale.data import Data, make_data
 from jaxscale.distributed import job_description
 from jaxscale.errors import ConfigError
@@ -40,6 +40,7 @@ class Services:
     """What the loop reports to and is stopped by."""
 
     checkpointer: Checkpointer
+    local: LocalCheckpointer | None  # checkpoint.local_every_steps: copies in host memory between persistent saves
     tracker: Tracker
     display: ProgressDisplay
     preemption: PreemptionWatch
@@ -117,12 +118,18 @@ def open_session(config, workdir: str | Path, show_progress: bool = True, device
     with (contextlib.ExitStack() as stack, WorkdirLock(workdir),
           Checkpointer(workdir / CHECKPOINTS, config.checkpoint) as checkpointer):
         start = resume.choose(config, checkpointer)
+        local = LocalCheckpointer(workdir, config.checkpoint, run.layout.mesh) if config.checkpoint.local_every_steps \
+            else None
         with _console(run, workdir, show_progress) as display:
             _introduce(run, data, workdir, display, cache_note)
-            live, tracker_ids = resume.apply(start, run, display.print, data.identity())
+            live, tracker_ids = resume.apply(start, run, display.print, data.identity(), local)
             _describe(run, data, live, workdir)
             tracker = stack.enter_context(contextlib.closing(Tracker.open(workdir, config, tracker_ids)))
-            yield Session(run, data, live, _services(config, workdir, checkpointer, tracker, display), opened)
+            yield Session(run, data, live, _services(config, workdir, checkpointer, local, tracker, display), opened)
+        if local is not None:  # a run that ends well leaves no copy the persistent checkpoints supersede
+            checkpointer.wait()
+            latest = checkpointer.latest_step()
+            local.discard(keep=lambda step: latest is None or step > latest)
 
 
 def _print_once(line: str) -> None:
@@ -131,9 +138,10 @@ def _print_once(line: str) -> None:
         print(line, flush=True)
 
 
-def _services(config, workdir: Path, checkpointer: Checkpointer, tracker: Tracker, display) -> Services:
+def _services(config, workdir: Path, checkpointer: Checkpointer, local: LocalCheckpointer | None, tracker: Tracker,
+              display) -> Services:
     d, prof = config.distributed, config.profile
-    return Services(checkpointer, tracker, display, PreemptionWatch(config.checkpoint.preemption_timeout_s),
+    return Services(checkpointer, local, tracker, display, PreemptionWatch(config.checkpoint.preemption_timeout_s),
                     Watchdog(d.watchdog_seconds),
                     StragglerReport(d.straggler_every, d.straggler_threshold, display.print),
                     TraceWindow(prof.start_step, prof.steps, workdir / "profile", display.print))

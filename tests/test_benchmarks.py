@@ -84,6 +84,7 @@ def _check_checkpoint(out):
     assert "first_save_s" in out and out["first_save_s"] > 0
     assert 0 < out["async_blocking_s"] and 0 < out["sync_save_s"] and 0 < out["restore_s"]
     assert out["blocking_ratio"] == pytest.approx(out["async_blocking_s"] / out["sync_save_s"])
+    assert 0 < out["local_blocking_s"] <= out["local_written_s"] and out["local_restore_s"] > 0
 
 
 def _check_gpu(out):

@@ -76,6 +76,8 @@ def test_overrides_parse_types():
     (["mesh_dcn.tensor=2", "mesh.data=4"], "mesh_dcn.tensor", "inside a host"),
     (["mesh_dcn.data=2", "mesh.data=4"], "mesh_dcn.data", "1 hosts"),
     (["zero_stage=5"], "zero_stage", "0, 1, 2 or 3"),
+    (["checkpoint.local_every_steps=-2"], "checkpoint.local_every_steps", ">= 0"),
+    (["checkpoint.local_dir='/ram/{host}'"], "checkpoint.local_dir", "only placeholder is {process}"),
     (["train.global_batch_size=12"], "train.global_batch_size", "multiple of 8"),
     (["train.grad_accum_steps=4", "train.global_batch_size=16"], "train.global_batch_size", "multiple of 32"),
     (["train.grad_accum_steps=3"], "train.grad_accum_steps", "must divide"),

@@ -1,6 +1,7 @@
 """The launcher restarts a job with the processes that remain: 4 processes x 2 CPU devices, one
 killed (SIGKILL, as a lost host) mid-run; 3 start again, resume the last checkpoint on 6 devices
-and finish, with the losses of an uninterrupted run resumed from that step."""
+and finish, with the losses of an uninterrupted run resumed from that step; with local
+checkpoints they resume from host memory and lose at most the steps since the last local copy."""
 
 import json
 import shutil
@@ -28,27 +29,35 @@ def _losses(workdir) -> dict:
     return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
-def test_a_killed_process_restarts_the_job_with_the_others(tmp_path):
-    workdir = tmp_path / "job"
+def _run_killing_one(workdir, at_step: int, extra=(), after_kill=lambda: None) -> tuple[list[str], int]:
+    """(the launcher's output lines, the step the restarted job resumed from): 4 processes x 2
+    devices, the last one SIGKILLed once step `at_step` is reported, then `after_kill()`."""
     cmd = [sys.executable, "-m", "jaxscale.launch", "--nproc=4", "--devices_per_proc=2", "--max_restarts=1",
-           "--min_nproc=3", "--", sys.executable, "-m", "jaxscale.train", *_train_args(workdir)]
+           "--min_nproc=3", "--", sys.executable, "-m", "jaxscale.train", *_train_args(workdir),
+           *(f"--config.{o}" for o in extra)]
     launcher = subprocess.Popen(cmd, cwd=ROOT, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
     out = []
-    for line in launcher.stdout:  # kill one process once step 7 is reported
+    for line in launcher.stdout:
         out.append(line)
-        if line.startswith("[0] step 7 "):
+        if line.startswith(f"[0] step {at_step} "):
             children = subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True, text=True).stdout
             subprocess.run(["kill", "-9", max(children.split(), key=int)])
+            after_kill()
             break
     out += launcher.stdout.readlines()
     text = "".join(out)
     assert launcher.wait(timeout=600) == 0, text[-3000:]
     found = [line for line in out if "jaxscale.launch: restart 1/1" in line]
     assert len(found) == 1 and "were killed (lost); starting 3 processes" in found[0], text[-3000:]
-    # The restarted job resumed the last checkpoint before the kill and finished on 6 devices.
     said = next(line for line in out if "resuming from step " in line)
-    resumed = int(said.split("resuming from step ")[1].split()[0])
+    return out, int(said.split("resuming from step ")[1].split()[0])
+
+
+def test_a_killed_process_restarts_the_job_with_the_others(tmp_path):
+    workdir = tmp_path / "job"
+    out, resumed = _run_killing_one(workdir, at_step=7)
+    # The restarted job resumed the last checkpoint before the kill and finished on 6 devices.
     assert 5 <= resumed < STEPS and resumed % 5 == 0
     # An uninterrupted run of the same global batch on 6 devices from that checkpoint.
     reference = tmp_path / "reference"
@@ -72,3 +81,25 @@ def test_a_device_that_answers_wrong_stops_the_job_before_it_compiles(tmp_path):
     assert len(errors) == 2, out[-3000:]  # every process stops, naming the same culprit
     assert all("process 1: its device 0 (id " in line and "computed a wrong answer" in line for line in errors), errors
     assert "compiled the train step" not in out and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_local_checkpoints_lose_at_most_two_steps_when_a_host_is_lost(tmp_path):
+    """ZeRO-3 (each process holds a quarter of the state); local copies every 2 steps, persistent
+    every 10, one directory per process as on separate hosts; process 3 is killed at step 15 and
+    its copies go with it: the 3 left restore the newest local step from their own blocks and
+    process 0's replica of process 3's, not step 10."""
+    workdir, local = tmp_path / "job", tmp_path / "local"
+    out, resumed = _run_killing_one(workdir, at_step=15, after_kill=lambda: shutil.rmtree(local / "host3"),
+                                    extra=["zero_stage=3", "checkpoint.every_steps=10",
+                                           "checkpoint.local_every_steps=2",
+                                           f"checkpoint.local_dir='{local}/host{{process}}'"])
+    text = "".join(out)
+    assert resumed >= 13, text[-3000:]  # at most 2 steps lost
+    assert any(f"restored step {resumed} from the local checkpoints of 3 of 3 processes" in line for line in out), \
+        text[-3000:]
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [10, 20, 30]
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    first, last = ({r["step"]: r["loss"] for r in order if "loss" in r} for order in (records[::-1], records))
+    # The step after the resume computes what the killed job computed (8 devices then, 6 now).
+    np.testing.assert_allclose(last[resumed + 1], first[resumed + 1], rtol=1e-5)
+    assert not any(local.iterdir())  # the finished job's copies are gone

@@ -11,8 +11,19 @@ from jaxscale.errors import require, require_non_negative, require_positive
 def check(config) -> None:
     """The `checkpoint` settings are usable; raises ConfigError naming the field."""
     require_positive(config, ("checkpoint.max_to_keep", "checkpoint.preemption_timeout_s"))
-    require_non_negative(config, ("checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.keep_every"))
+    require_non_negative(config, ("checkpoint.every_steps", "checkpoint.every_minutes", "checkpoint.keep_every",
+                                  "checkpoint.local_every_steps"))
     check_sources(config.checkpoint)
+    check_local_dir(config.checkpoint.local_dir)
+
+
+def check_local_dir(local_dir: str) -> None:
+    """checkpoint.local_dir names a directory; `{process}` is the only placeholder."""
+    try:
+        local_dir.format(process=0)
+    except (KeyError, IndexError, ValueError):
+        require(False, "checkpoint.local_dir", local_dir,
+                "the only placeholder is {process} (the process index); write a literal brace as {{ or }}")
 
 
 def check_sources(ckpt) -> None:
