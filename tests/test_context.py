@@ -73,6 +73,26 @@ def test_blockwise_attention_matches_reference(heads, kv_heads, block, documents
     _assert_matches(ours, q, k, v, segments)
 
 
+def test_rows_that_see_no_key_get_zero_and_empty():
+    """Keys at positions 12.. against queries at 0..31, tiles of 8: rows 0-11 see nothing (tile
+    [8, 16) mixes such rows with rows that see keys) and get out 0, lse EMPTY and zero dq; the
+    others match a dense softmax; nothing is NaN, forward or backward."""
+    q, k, v, segments = _inputs(4, 2, False)
+    q, k, v = flash.group(q, 2), flash.heads_major(k), flash.heads_major(v)
+    q_pos = jnp.broadcast_to(jnp.arange(LENGTH), segments.shape)
+    k_pos = q_pos + 12
+    out, lse = flash.forward(q, k, v, q_pos, k_pos, segments, segments, 8, 8)
+    d_out = jax.random.normal(jax.random.PRNGKey(9), out.shape)
+    grads = flash.backward(q, k, v, q_pos, k_pos, segments, segments, lse, flash.delta(out, d_out), d_out, 8, 8)
+    for x in (out, lse, *grads):
+        assert np.isfinite(x).all()
+    assert (out[..., :12, :] == 0).all() and (lse[..., :12] == flash.EMPTY).all() and (grads[0][..., :12, :] == 0).all()
+    visible = q_pos[:, :, None] >= k_pos[:, None, :]
+    scores = jnp.einsum("bkgqe,bkse->bkgqs", q, k) * q.shape[-1] ** -0.5
+    probs = jax.nn.softmax(jnp.where(visible[:, None, None], scores, -jnp.inf)[..., 12:, :], axis=-1)
+    np.testing.assert_allclose(out[..., 12:, :], jnp.einsum("bkgqs,bkse->bkgqe", probs, v), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("documents", [False, True])
 def test_splash_kernel_matches_reference(documents):
     """The TPU kernel (JAX's Pallas splash attention), run by Pallas's interpreter on this host:

@@ -10,12 +10,16 @@ What a query sees is data, not a shape: key j is visible to query i when k_pos[j
 and, with document masking, q_seg[i] == k_seg[j]. A tile with nothing visible is skipped
 (lax.cond), so causal attention does about half the work of the full square, blocks of other
 documents are never computed, and the zig-zag layout of context parallelism (positions out of
-order) needs nothing special.
+order) needs nothing special. Within a tile the mask is a bias added to the scores, HIDDEN
+(below EMPTY, where the running max starts) on invisible keys: their exp underflows to exactly 0,
+also in a row that has seen nothing yet, so no select on the tile and no inf - inf (NaN).
 
 `forward` and `backward` work on any key range against any query range, given the log-sum-exp of
 the whole row: ring attention (parallel.context) calls them once per visiting block.
-Layouts: q [B, Lq, K, G, E] (G query heads share each of the K key/value heads), k and v
-[B, Lk, K, E], positions and segment ids [B, L] int32, the log-sum-exp [B, Lq, K, G] float32.
+Layouts are heads-major, so each tile's scores [B, K, G, bq, bk] are the natural output of a dot
+batched over (B, K): q [B, K, G, Lq, E] (G query heads share each of the K key/value heads), k and
+v [B, K, Lk, E], the log-sum-exp [B, K, G, Lq] float32, positions and segment ids [B, L] int32.
+`group`, `heads_major` and `ungroup` convert from and to the model's [B, L, heads, E], once per call.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 EMPTY = -1e30  # the log-sum-exp of a row that saw nothing in a key range (finite: no NaN on merge)
+HIDDEN = 2 * EMPTY  # the bias on an invisible key's score: exp(HIDDEN - max) is 0 for any max >= EMPTY
 BLOCK = 512    # default tile edge (model.attention.block_size)
 
 
@@ -47,12 +52,13 @@ def _loop(count: int, body, carry):
     return jax.lax.while_loop(lambda state: state[0] < count, step, (0, carry))[1]
 
 
-def _rows(x, start, size):
-    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=1)
+def _rows(x, start, size, axis=-2):
+    """Rows start .. start+size-1 of the length axis: -2 of [..., L, E], -1 of [..., L]."""
+    return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _put_rows(x, rows, start):
-    return jax.lax.dynamic_update_slice_in_dim(x, rows.astype(x.dtype), start, axis=1)
+def _put_rows(x, rows, start, axis=-2):
+    return jax.lax.dynamic_update_slice_in_dim(x, rows.astype(x.dtype), start, axis=axis)
 
 
 def _visible(q_pos, k_pos, q_seg, k_seg):
@@ -60,54 +66,57 @@ def _visible(q_pos, k_pos, q_seg, k_seg):
     return (q_pos[:, :, None] >= k_pos[:, None, :]) & (q_seg[:, :, None] == k_seg[:, None, :])
 
 
+def _bias(visible):
+    """[B, 1, 1, bq, bk] float32 to add to a tile's scores: 0 where visible, else HIDDEN."""
+    return jnp.where(visible, 0.0, HIDDEN)[:, None, None]
+
+
 def _scores(q, k):
-    """[B, bq, K, G, bk] float32, scaled."""
-    return jnp.einsum("bqkge,bske->bqkgs", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+    """[B, K, G, bq, bk] float32, scaled."""
+    return jnp.einsum("bkgqe,bkse->bkgqs", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
 
 
 def _forward_rows(q, q_pos, q_seg, k, v, k_pos, k_seg, block_k):
-    """(out [B, bq, K, G, E] float32, lse [B, bq, K, G]) of one query block against all keys."""
-    B, bq, K, G, E = q.shape
+    """(out [B, K, G, bq, E] float32, lse [B, K, G, bq]) of one query block against all keys."""
+    B, K, G, bq, E = q.shape
 
     def key_block(j, carry):
         start = j * block_k
-        vis = _visible(q_pos, _rows(k_pos, start, block_k), q_seg, _rows(k_seg, start, block_k))
+        vis = _visible(q_pos, _rows(k_pos, start, block_k, -1), q_seg, _rows(k_seg, start, block_k, -1))
 
         def update(carry):
             out, run_max, run_sum = carry
-            mask = vis[:, :, None, None, :]
-            s = jnp.where(mask, _scores(q, _rows(k, start, block_k)), EMPTY)
+            s = _scores(q, _rows(k, start, block_k)) + _bias(vis)
             new_max = jnp.maximum(run_max, s.max(-1))
-            p = jnp.where(mask, jnp.exp(s - new_max[..., None]), 0.0)
+            p = jnp.exp(s - new_max[..., None])
             correction = jnp.exp(run_max - new_max)
-            pv = jnp.einsum("bqkgs,bske->bqkge", p.astype(v.dtype), _rows(v, start, block_k),
+            pv = jnp.einsum("bkgqs,bkse->bkgqe", p.astype(v.dtype), _rows(v, start, block_k),
                             preferred_element_type=jnp.float32)
             return out * correction[..., None] + pv, new_max, run_sum * correction + p.sum(-1)
 
         return jax.lax.cond(vis.any(), update, lambda c: c, carry)
 
-    start = (jnp.zeros((B, bq, K, G, E), jnp.float32), jnp.full((B, bq, K, G), EMPTY, jnp.float32),
-             jnp.zeros((B, bq, K, G), jnp.float32))
-    out, run_max, run_sum = _loop(k.shape[1] // block_k, key_block, start)
+    start = (jnp.zeros((B, K, G, bq, E), jnp.float32), jnp.full((B, K, G, bq), EMPTY, jnp.float32),
+             jnp.zeros((B, K, G, bq), jnp.float32))
+    out, run_max, run_sum = _loop(k.shape[2] // block_k, key_block, start)
     seen = run_sum > 0
     safe_sum = jnp.where(seen, run_sum, 1.0)
     return out / safe_sum[..., None], jnp.where(seen, run_max + jnp.log(safe_sum), EMPTY)
 
 
 def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q: int, block_k: int):
-    """(out [B, Lq, K, G, E] float32, lse [B, Lq, K, G] float32) of q against these keys. Rows
+    """(out [B, K, G, Lq, E] float32, lse [B, K, G, Lq] float32) of q against these keys. Rows
     that see none of them get out 0 and lse EMPTY."""
-    B, L, K, G, E = q.shape
 
     def query_block(i, carry):
         out, lse = carry
         start = i * block_q
-        o, m = _forward_rows(_rows(q, start, block_q), _rows(q_pos, start, block_q), _rows(q_seg, start, block_q),
-                             k, v, k_pos, k_seg, block_k)
-        return _put_rows(out, o, start), _put_rows(lse, m, start)
+        o, m = _forward_rows(_rows(q, start, block_q), _rows(q_pos, start, block_q, -1),
+                             _rows(q_seg, start, block_q, -1), k, v, k_pos, k_seg, block_k)
+        return _put_rows(out, o, start), _put_rows(lse, m, start, -1)
 
-    start = jnp.zeros((B, L, K, G, E), jnp.float32), jnp.zeros((B, L, K, G), jnp.float32)
-    return _loop(L // block_q, query_block, start)
+    start = jnp.zeros(q.shape, jnp.float32), jnp.zeros(q.shape[:-1], jnp.float32)
+    return _loop(q.shape[3] // block_q, query_block, start)
 
 
 def merge(out_a, lse_a, out_b, lse_b):
@@ -117,12 +126,12 @@ def merge(out_a, lse_a, out_b, lse_b):
 
 
 def delta(out, d_out):
-    """Each row's sum of out * d_out, [B, L, K, G] float32: the softmax backward's correction."""
-    return jnp.einsum("bqkge,bqkge->bqkg", out.astype(jnp.float32), d_out.astype(jnp.float32))
+    """Each row's sum of out * d_out, [B, K, G, L] float32: the softmax backward's correction."""
+    return jnp.einsum("...e,...e->...", out.astype(jnp.float32), d_out.astype(jnp.float32))
 
 
 def backward(q, k, v, q_pos, k_pos, q_seg, k_seg, lse, row_delta, d_out, block_q: int, block_k: int, into=None):
-    """(dq [B, Lq, K, G, E], dk, dv [B, Lk, K, E]), float32: these keys' share of the gradients,
+    """(dq [B, K, G, Lq, E], dk, dv [B, K, Lk, E]), float32: these keys' share of the gradients,
     given each row's log-sum-exp and delta over all the keys it sees, added to `into` (running
     sums of the three, float32; None: zeros) without another copy of them."""
 
@@ -130,36 +139,36 @@ def backward(q, k, v, q_pos, k_pos, q_seg, k_seg, lse, row_delta, d_out, block_q
         dq, dk, dv = carry
         k_start = j * block_k
         k_j, v_j = _rows(k, k_start, block_k), _rows(v, k_start, block_k)
-        k_pos_j, k_seg_j = _rows(k_pos, k_start, block_k), _rows(k_seg, k_start, block_k)
+        k_pos_j, k_seg_j = _rows(k_pos, k_start, block_k, -1), _rows(k_seg, k_start, block_k, -1)
 
         def query_block(i, inner):
             start = i * block_q
-            vis = _visible(_rows(q_pos, start, block_q), k_pos_j, _rows(q_seg, start, block_q), k_seg_j)
+            vis = _visible(_rows(q_pos, start, block_q, -1), k_pos_j, _rows(q_seg, start, block_q, -1), k_seg_j)
 
             def update(inner):
                 dq, dk_j, dv_j = inner
                 q_i, do_i = _rows(q, start, block_q), _rows(d_out, start, block_q)
-                s = _scores(q_i, k_j)
-                p = jnp.where(vis[:, :, None, None, :], jnp.exp(s - _rows(lse, start, block_q)[..., None]), 0.0)
-                dv_j = dv_j + jnp.einsum("bqkgs,bqkge->bske", p.astype(do_i.dtype), do_i,
+                s = _scores(q_i, k_j) + _bias(vis)
+                p = jnp.exp(s - _rows(lse, start, block_q, -1)[..., None])
+                dv_j = dv_j + jnp.einsum("bkgqs,bkgqe->bkse", p.astype(do_i.dtype), do_i,
                                          preferred_element_type=jnp.float32)
-                dp = jnp.einsum("bqkge,bske->bqkgs", do_i, v_j, preferred_element_type=jnp.float32)
-                ds = p * (dp - _rows(row_delta, start, block_q)[..., None]) * q.shape[-1] ** -0.5
-                dk_j = dk_j + jnp.einsum("bqkgs,bqkge->bske", ds.astype(q_i.dtype), q_i,
+                dp = jnp.einsum("bkgqe,bkse->bkgqs", do_i, v_j, preferred_element_type=jnp.float32)
+                ds = p * (dp - _rows(row_delta, start, block_q, -1)[..., None]) * q.shape[-1] ** -0.5
+                dk_j = dk_j + jnp.einsum("bkgqs,bkgqe->bkse", ds.astype(q_i.dtype), q_i,
                                          preferred_element_type=jnp.float32)
-                dq_i = jnp.einsum("bqkgs,bske->bqkge", ds.astype(k_j.dtype), k_j, preferred_element_type=jnp.float32)
+                dq_i = jnp.einsum("bkgqs,bkse->bkgqe", ds.astype(k_j.dtype), k_j, preferred_element_type=jnp.float32)
                 return _put_rows(dq, _rows(dq, start, block_q) + dq_i, start), dk_j, dv_j
 
             return jax.lax.cond(vis.any(), update, lambda c: c, inner)
 
         # dK and dV rows of this key block start from their running sums (into), kept in the loop.
-        dq, dk_j, dv_j = _loop(q.shape[1] // block_q, query_block,
+        dq, dk_j, dv_j = _loop(q.shape[3] // block_q, query_block,
                                (dq, _rows(dk, k_start, block_k), _rows(dv, k_start, block_k)))
         return dq, _put_rows(dk, dk_j, k_start), _put_rows(dv, dv_j, k_start)
 
     if into is None:
         into = (jnp.zeros(q.shape, jnp.float32), jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    return _loop(k.shape[1] // block_k, key_block, into)
+    return _loop(k.shape[2] // block_k, key_block, into)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
@@ -183,9 +192,20 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def group(q_BLHE, kv_heads: int):
-    """[B, L, H, E] -> [B, L, K, G, E]: the query heads that share each key/value head."""
+    """[B, L, H, E] -> [B, K, G, L, E]: heads-major, the G query heads that share each key/value head."""
     b, length, h, e = q_BLHE.shape
-    return q_BLHE.reshape(b, length, kv_heads, h // kv_heads, e)
+    return q_BLHE.reshape(b, length, kv_heads, h // kv_heads, e).transpose(0, 2, 3, 1, 4)
+
+
+def heads_major(x_BLKE):
+    """[B, L, K, E] -> [B, K, L, E] (keys, values)."""
+    return x_BLKE.transpose(0, 2, 1, 3)
+
+
+def ungroup(out_BKGLE):
+    """[B, K, G, L, E] -> [B, L, H, E]: the inverse of `group`."""
+    b, kv_heads, g, length, e = out_BKGLE.shape
+    return out_BKGLE.transpose(0, 3, 1, 2, 4).reshape(b, length, kv_heads * g, e)
 
 
 def attention(q_BLHE, k_BLKE, v_BLKE, q_pos_BL, k_pos_BL, q_seg_BL=None, k_seg_BL=None, block: int = BLOCK):
@@ -194,7 +214,7 @@ def attention(q_BLHE, k_BLKE, v_BLKE, q_pos_BL, k_pos_BL, q_seg_BL=None, k_seg_B
     block_for(L, block) rows; gradients by the blockwise backward."""
     q_seg_BL = jnp.zeros_like(q_pos_BL) if q_seg_BL is None else q_seg_BL
     k_seg_BL = jnp.zeros_like(k_pos_BL) if k_seg_BL is None else k_seg_BL
-    q = group(q_BLHE, k_BLKE.shape[2])
-    out = _attend(q, k_BLKE, v_BLKE, q_pos_BL, k_pos_BL, q_seg_BL, k_seg_BL,
-                  block_for(q.shape[1], block), block_for(k_BLKE.shape[1], block))
-    return out.reshape(q_BLHE.shape)
+    out = _attend(group(q_BLHE, k_BLKE.shape[2]), heads_major(k_BLKE), heads_major(v_BLKE),
+                  q_pos_BL, k_pos_BL, q_seg_BL, k_seg_BL,
+                  block_for(q_BLHE.shape[1], block), block_for(k_BLKE.shape[1], block))
+    return ungroup(out)

@@ -115,8 +115,8 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def _ring_local(q_BQHE, k_BSKE, v_BSKE, pos_BQ, seg_BQ, *, shards: int, block: int):
-    q = flash.group(q_BQHE, k_BSKE.shape[2])
-    return _ring(q, k_BSKE, v_BSKE, pos_BQ, seg_BQ, shards, block).reshape(q_BQHE.shape)
+    q, k, v = flash.group(q_BQHE, k_BSKE.shape[2]), flash.heads_major(k_BSKE), flash.heads_major(v_BSKE)
+    return flash.ungroup(_ring(q, k, v, pos_BQ, seg_BQ, shards, block))
 
 
 def _all_gather_local(q_BQHE, k_BSKE, v_BSKE, pos_BQ, seg_BQ, *, shards: int, block: int):
