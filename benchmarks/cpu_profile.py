@@ -60,8 +60,14 @@ def thunk_times(trace_dir: Path) -> collections.Counter:
 
 
 def _origin(hlo: str, name: str) -> str:
-    found = re.search(r"%" + re.escape(name) + r" = (\S+) [^\n]*?op_name=\"([^\"]*)\"", hlo)
-    return f"{found.group(1).split('{')[0]} {found.group(2).removeprefix('jit(train_step)/')[-80:]}" if found else ""
+    """The thunk's HLO result shape and where it comes from (its op_name; for an instruction XLA
+    added without one, e.g. a loop's copy, its opcode and operands)."""
+    found = re.search(r"%" + re.escape(name) + r" = (\S+) ([^\n]*)", hlo)
+    if not found:
+        return ""
+    named = re.search(r"op_name=\"([^\"]*)\"", found.group(2))
+    origin = named.group(1).removeprefix("jit(train_step)/") if named else found.group(2).split(", metadata")[0]
+    return f"{found.group(1).split('{')[0]} {origin[-80:]}"
 
 
 def profile(overrides: list[str], steps: int, top: int) -> dict:

@@ -1,7 +1,7 @@
 """Context parallelism: attention over a sequence split across the `sequence` mesh axis.
 
 Two strategies, both inside shard_map over `sequence` (the batch's mesh axes manual too), both
-on the blockwise attention of `models.flash`:
+on the blockwise attention of `kernels.flash`:
 - ring: key/value blocks travel around the ring with ppermute while each device folds them into
   its queries' online softmax, each send issued beside the current block's compute so the two
   overlap. Its own backward (custom_vjp, as Liu et al.'s ring attention) saves only the output
