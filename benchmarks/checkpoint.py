@@ -75,8 +75,8 @@ def measure(config, repeats: int, workdir: Path) -> dict:
             times["sync"].append(_timed(lambda step=step: (checkpointer.save(step, state, {}, meta, {}),
                                                            checkpointer.wait())))
             times["restore"].append(_timed(lambda: jax.block_until_ready(checkpointer.restore(state).state)))
-            times["local_written"].append(_timed(lambda step=step: (local.save(step, state, {}), local.wait())))
-            times["local"].append(local.last_blocking_s)
+            times["local"].append(_timed(lambda step=step: local.save(step, state, {})))
+            times["local_written"].append(times["local"][-1] + _timed(local.wait))
             times["local_restore"].append(_timed(lambda: local.restore(target, None, lambda line: None)))
     local.discard(keep=lambda step: False)
     medians = {key: statistics.median(values) for key, values in times.items()}

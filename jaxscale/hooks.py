@@ -103,7 +103,10 @@ def checkpoint(session: Session, s: Stretch) -> None:
     if persistent or (local is not None and local.due(s.step)):
         jax.block_until_ready(session.live.state)  # finishing the queued steps is step time, not saving
         began = time.perf_counter()
-        session.save(s.step) if persistent else local.save(s.step, session.live.state, session.position())
+        if persistent:
+            session.save(s.step)
+        else:
+            local.save(s.step, session.live.state, session.position())
         s.clock.save += time.perf_counter() - began
 
 

@@ -55,11 +55,6 @@ def _directory_fault(directory: Path) -> list[str]:
     return [] if ok else [f"{directory} returned other bytes than were written"]
 
 
-def _exchange(faults: list[str]) -> dict[int, list[str]]:
-    """Every process's findings, by process index (a collective over all processes)."""
-    return dict(enumerate(allgather_json(faults)))
-
-
 def _axis_bandwidth(mesh, axis: str) -> tuple[bool, float]:
     """(the all-reduce over `axis` summed right, its bus bandwidth in GB/s)."""
     n, size = mesh.shape[axis], PROBE_BYTES // 4
@@ -76,7 +71,7 @@ def _axis_bandwidth(mesh, axis: str) -> tuple[bool, float]:
 
 def check(mesh, checkpoint_dir: Path, say) -> None:
     """Run the checks; PreflightError on every process if any process failed one."""
-    found = _exchange(_device_faults() + _directory_fault(Path(checkpoint_dir)))
+    found = dict(enumerate(allgather_json(_device_faults() + _directory_fault(Path(checkpoint_dir)))))
     failed = {i: faults for i, faults in found.items() if faults}
     if failed:
         detail = "; ".join(f"process {i}: {', '.join(faults)}" for i, faults in sorted(failed.items()))

@@ -93,11 +93,7 @@ def apply(start: Start, run, say: Callable[[str], None], data: dict | None = Non
 def _from_local(local: LocalCheckpointer, start: Start, run, say) -> Restored | None:
     """The newest local checkpoint newer than the workdir's persistent ones, or None."""
     newest = start.checkpointer.latest_step() if start.kind == "resume" else None
-    found = local.restore(run.abstract_state, newest, say)
-    if found is None:
-        return None
-    step, state, position = found
-    return Restored(step, state, position, {}, {})
+    return local.restore(run.abstract_state, newest, say)
 
 
 def _resumed(restored: Restored, run, say, data: dict | None, start: Start) -> tuple[RunState, dict]:

@@ -51,7 +51,8 @@ def test_a_local_copy_comes_back_on_another_mesh(saved):
     assert sorted(p.name for p in directory.iterdir()) == ["4", "6"]  # the two newest
     mesh, other = _state(4)
     said = []
-    step, got, position = _local(workdir, mesh, directory).restore(_target(other), None, said.append)
+    restored = _local(workdir, mesh, directory).restore(_target(other), None, said.append)
+    step, got, position = restored.step, restored.state, restored.position
     assert (step, position) == (6, {"global_sample": 96}) and "restored step 6" in said[0]
     for name in state:
         assert got[name].sharding == other[name].sharding and got[name].dtype == state[name].dtype
@@ -69,7 +70,7 @@ def test_the_state_may_be_donated_while_its_copy_is_written(tmp_path, monkeypatc
     jax.block_until_ready(state)
     donated.set()
     local.wait()
-    _, got, _ = local.restore(_target(state), None, print)
+    got = local.restore(_target(state), None, print).state
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, got), want)
 
 
@@ -97,7 +98,8 @@ def test_an_incomplete_or_unreadable_copy_falls_back_to_the_one_before(saved, da
         meta.write_text(json.dumps(dict(held, held=held["held"][1:])))
     mesh, _ = _state(8)
     said = []
-    step, _, position = _local(workdir, mesh, directory).restore(_target(state), None, said.append)
+    restored = _local(workdir, mesh, directory).restore(_target(state), None, said.append)
+    step, position = restored.step, restored.position
     assert (step, position["global_sample"]) == (4, 64)
     assert note is None or note in said[0], said
     said = []

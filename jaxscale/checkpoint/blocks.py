@@ -26,9 +26,10 @@ def slices(block: str) -> tuple[slice, ...]:
     return tuple(slice(*map(int, part.split(":"))) for part in block.split(",") if part)
 
 
-def all_of(sharding, shape: tuple) -> list[str]:
-    """Every distinct block of an array of `shape` laid out by `sharding`."""
-    return sorted({name(index, shape) for index in sharding.devices_indices_map(shape).values()})
+@functools.lru_cache(maxsize=4096)
+def all_of(sharding, shape: tuple) -> tuple[str, ...]:
+    """Every distinct block of an array of `shape` laid out by `sharding` (the same at every save)."""
+    return tuple(sorted({name(index, shape) for index in sharding.devices_indices_map(shape).values()}))
 
 
 def held(array: jax.Array, source_of=None) -> dict[str, jax.Array]:
@@ -52,6 +53,7 @@ def host_bits(block: jax.Array) -> np.ndarray:
     return np.asarray(block).view(bits(block.dtype))
 
 
+@functools.lru_cache(maxsize=4096)
 def replicated_on_every_process(sharding, shape: tuple) -> bool:
     """Whether each process holds every block itself (then a peer's replica adds nothing)."""
     by_process: dict[int, set] = {}

@@ -32,9 +32,9 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from jaxscale.checkpoint import blocks
+from jaxscale.checkpoint.manager import Restored
 from jaxscale.errors import RunError
 from jaxscale.exchange import allgather_json
 
@@ -59,8 +59,7 @@ def _token(workdir: Path) -> str:
         else:
             token = uuid.uuid4().hex
             path.write_text(json.dumps({"token": token}) + "\n")
-    raw = np.frombuffer(token.encode().ljust(32, b"\0"), np.uint8)
-    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw))).rstrip(b"\0").decode()
+    return allgather_json(token)[0]
 
 
 def _leaves(tree) -> tuple[list[str], list]:
@@ -78,7 +77,6 @@ class LocalCheckpointer:
         self.token = _token(workdir)
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.last_blocking_s = 0.0
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step % self.every == 0
@@ -89,11 +87,9 @@ class LocalCheckpointer:
         """Copy this process's blocks (and its predecessor's) to the host; a thread writes them.
         The state may be donated to the next step as soon as this returns."""
         self.wait()
-        began = time.perf_counter()
         names, leaves = _leaves(state)
         arrays = {f"{i}@{block}": blocks.host_bits(values) for i, held in enumerate(self._blocks(leaves))
                   for block, values in held.items()}
-        self.last_blocking_s = time.perf_counter() - began
         layout = {n: {"shape": list(x.shape), "dtype": str(x.dtype), "blocks": blocks.all_of(x.sharding, x.shape)}
                   for n, x in zip(names, leaves, strict=True)}
         meta = {"step": step, "token": self.token, "position": position, "leaves": layout, "held": sorted(arrays)}
@@ -170,9 +166,9 @@ class LocalCheckpointer:
 
     # -- restoring ---------------------------------------------------------------------------
 
-    def restore(self, target, newer_than: int | None, say) -> tuple[int, object, dict] | None:
-        """(step, state on the target's shardings, data position) of the newest step after
-        `newer_than` whose every block some process holds, or None. Every process calls this."""
+    def restore(self, target, newer_than: int | None, say) -> Restored | None:
+        """The newest step after `newer_than` whose every block some process holds (its state on
+        the target's shardings and its data position), or None. Every process calls this."""
         floor = -1 if newer_than is None else newer_than
         mine = {step: files for step in self._steps() if step > floor and (files := self._files(step))}
         views = allgather_json({str(step): {"held": sorted({key for f in files for key in f["held"]}),
@@ -190,7 +186,7 @@ class LocalCheckpointer:
             state = _assemble(owned, target)
             say(f"restored step {step} from the local checkpoints of {len(set(owner.values()))} of "
                 f"{jax.process_count()} processes in {time.perf_counter() - began:.2f}s (persistent storage not read)")
-            return step, state, _meta_of(views, step)["position"]
+            return Restored(step, state, _meta_of(views, step)["position"], {}, {})
         return None
 
     def _load(self, files: list[dict], owner: dict, count: int) -> list[dict] | str:
