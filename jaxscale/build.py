@@ -20,6 +20,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxscale import metrics as metrics_lib
+from jaxscale import program_cache
 from jaxscale import state as state_lib
 from jaxscale.guard import GuardSpec
 from jaxscale.mesh import granule_count
@@ -58,6 +59,11 @@ class Run:
         return self.step_spec.guard
 
     @property
+    def devices(self) -> list:
+        """The run's devices in the mesh's order."""
+        return list(self.layout.mesh.devices.flat)
+
+    @property
     def batch_sharding(self) -> NamedSharding:
         return self.layout.batch_sharding()
 
@@ -81,15 +87,17 @@ class Run:
 
     def compile(self):
         """(the train step compiled ahead of time, seconds it took): step times never include it."""
-        start = time.perf_counter()
-        compiled = self.train_step.lower(self.abstract_state, self.batch_shape()).compile()
+        start, args = time.perf_counter(), (self.abstract_state, self.batch_shape())
+        key = program_cache.key("train_step", self.config, self.devices, *args)
+        compiled, _ = program_cache.load_or_compile(key, lambda: self.train_step.lower(*args))
         return compiled, time.perf_counter() - start
 
     def init_state(self, params: dict | None = None) -> TrainState:
         """A fresh state from train.seed (each device makes only its shards); given `params`
         (on their shardings), they replace the initialisation and are donated, not copied."""
         s = self.step_spec
-        return state_lib.init(s.model, s.tx, self.config.train.seed, s.layout, s.guard, params, self.offload)[0]
+        key = program_cache.key("init_state", self.config, self.devices, params)
+        return state_lib.init(s.model, s.tx, self.config.train.seed, s.layout, s.guard, params, self.offload, key)[0]
 
     def device_params(self, params: dict) -> dict:
         """`params` in device memory (a copy when they are offloaded to the host)."""

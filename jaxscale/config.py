@@ -152,7 +152,7 @@ def _add_operations(c: ml_collections.ConfigDict) -> None:
     )
     c.xla = dict(
         gpu_defaults=True,     # set jaxscale's XLA flags on NVIDIA GPUs (jaxscale/xla_flags.py); yours win
-        compile_cache=True,    # JAX's persistent compilation cache: a second start skips compiling (compile_cache.py)
+        compile_cache=True,    # a second start skips compiling (compile_cache.py) and tracing (program_cache.py)
         compile_cache_dir="",  # default: $JAXSCALE_COMPILE_CACHE_DIR, else ~/.cache/jaxscale/xla; "off" = no cache
     )
     c.tracking = dict(

@@ -140,8 +140,8 @@ def log(session: Session, s: Stretch) -> None:
         return
     services = session.services
     services.checkpointer.check()  # a background save that failed stops the run here
+    services.display.update(s.record)  # the line first: a tracker's first write can take a while
     services.tracker.write(s.record)
-    services.display.update(s.record)
     s.records.append(s.record)
     if "val_loss" in s.record:
         if s.step < s.last:  # at the stretch's last step the final report follows at once

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jax
 
-from jaxscale import compile_cache, inspection, preflight, resume, xla_flags
+from jaxscale import compile_cache, inspection, preflight, program_cache, resume, xla_flags
 from jaxscale import config as config_lib
 from jaxscale import report as report_lib
 from jaxscale.build import Run, build
@@ -65,10 +65,13 @@ class Session:
     def compiled(self):
         """The train step compiled ahead of time (once per session), so step times never include it."""
         if self._compiled is None:
-            before = compile_cache.hits()
+            before = compile_cache.hits(), program_cache.hits()
             self._compiled, self.compile_s = self.run.compile()
-            how = "loaded the compiled train step from the cache" if compile_cache.hits() > before else \
-                "compiled the train step"
+            how = "compiled the train step"
+            if program_cache.hits() > before[1]:
+                how = "loaded the whole train step from the cache"
+            elif compile_cache.hits() > before[0]:
+                how = "loaded the compiled train step from the cache"
             self.services.display.print(f"{how} in {self.compile_s:.1f}s")
         return self._compiled
 

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxscale import guard as guard_lib
+from jaxscale import program_cache
 from jaxscale import sharding as shd
 from jaxscale.guard import GuardSpec
 from jaxscale.models import LanguageModel
@@ -99,10 +100,13 @@ def abstract(model: LanguageModel, tx: optax.GradientTransformation, layout: shd
 
 def init(model: LanguageModel, tx: optax.GradientTransformation, seed: int, layout: shd.Layout,
          guard: GuardSpec = GuardSpec(), params: dict | None = None,
-         offload: OffloadSpec = OffloadSpec()) -> tuple[TrainState, TrainState]:
+         offload: OffloadSpec = OffloadSpec(), cache_key: str | None = None) -> tuple[TrainState, TrainState]:
     """(state, its shardings): compiled once, each device materialises only its shards. Given
-    `params` (already on their shardings) they are donated into the state, not copied."""
+    `params` (already on their shardings) they are donated into the state, not copied. With a
+    `cache_key` (jaxscale.program_cache) the compiled initialisation is loaded or kept whole."""
     out = shardings(model, tx, layout, guard, offload)
-    make = functools.partial(create, model, tx, seed, guard)
-    state = jax.jit(make, out_shardings=out, donate_argnums=0)(params)
-    return state, out
+    make = jax.jit(functools.partial(create, model, tx, seed, guard), out_shardings=out, donate_argnums=0)
+    if cache_key is None:
+        return make(params), out
+    program, _ = program_cache.load_or_compile(cache_key, lambda: make.lower(params))
+    return program(params), out

@@ -5,6 +5,7 @@ Exit codes: 0 done, 2 bad input (one line on stderr), 1 anything else.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -33,4 +34,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # A fresh interpreter running jaxscale as it is on disk: whole programs may be kept (program_cache.py).
+    os.environ.setdefault("JAXSCALE_PROGRAM_CACHE", "1")
     sys.exit(main())

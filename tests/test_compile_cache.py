@@ -1,5 +1,10 @@
 """The persistent compilation cache: on by default, a second identical start loads the train step
-from it instead of compiling, and one setting turns it off."""
+and the state's initialisation whole (jaxscale.program_cache: no tracing either) and trains to
+the same losses; without them (after an edit of jaxscale) it loads them from JAX's cache after
+lowering, and keeps none of those; one setting turns both off."""
+
+import json
+import shutil
 
 from conftest import run_cli
 
@@ -7,11 +12,15 @@ ARGS = ["--config=configs/tiny.py", "--config.train.steps=2", "--config.train.ev
         "--config.model.num_layers=1", "--config.checkpoint.every_steps=0"]
 
 
-def _start(tmp_path, name, *extra):
+def _start(tmp_path, name, *extra, env=None):
     # The suite's own cache (JAX_COMPILATION_CACHE_DIR) is there too: a named directory wins over it.
-    done = run_cli([*ARGS, f"--workdir={tmp_path / name}", *extra], devices=1)
+    done = run_cli([*ARGS, f"--workdir={tmp_path / name}", *extra], devices=1, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
+
+
+def _losses(workdir) -> list[float]:
+    return [json.loads(line)["loss"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_a_second_start_loads_the_step_from_the_cache(tmp_path):
@@ -19,8 +28,14 @@ def test_a_second_start_loads_the_step_from_the_cache(tmp_path):
     first = _start(tmp_path, "a", f"--config.xla.compile_cache_dir={cache}")
     assert f"compiled programs cached in {cache}" in first and "compiled the train step in" in first
     assert any(cache.iterdir())
+    assert {p.name.split("-")[0] for p in (cache / "programs").iterdir()} == {"init_state", "train_step"}
     second = _start(tmp_path, "b", f"--config.xla.compile_cache_dir={cache}")
-    assert "loaded the compiled train step from the cache in" in second
+    assert "loaded the whole train step from the cache in" in second
+    assert _losses(tmp_path / "b") == _losses(tmp_path / "a")  # bit for bit: the same programs
+    shutil.rmtree(cache / "programs")  # as after an edit of jaxscale: the programs miss, JAX's cache does not
+    lowered = _start(tmp_path, "d", f"--config.xla.compile_cache_dir={cache}")
+    assert "loaded the compiled train step from the cache in" in lowered
+    assert not any((cache / "programs").glob("*")), "a program JAX's cache loaded is not kept (it would not run)"
 
 
 def test_one_setting_turns_it_off(tmp_path):
