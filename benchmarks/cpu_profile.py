@@ -8,8 +8,14 @@ One fake CPU device; shapes as benchmarks/torch_reference.py. XLA:CPU is asked t
 in the trace (--xla_cpu_enable_xprof_traceme); the thunks' durations are summed per step by kind:
 matmuls (XNNPACK/YNNPACK fusions and dots), copies and transposes, broadcasts, slices into and
 out of stacked arrays (a scanned loop's residuals), and the other fusions (elementwise, reductions).
-Thunks run on two threads at once here, so the kinds can add up past the step's wall time. The
-largest single thunks are listed with the HLO operation they come from.
+Thunks run on several threads at once (one per core), so the kinds can add up past the step's
+wall time. The largest single thunks are listed with the HLO operation they come from.
+
+Then the same step by part of the model against PyTorch's (benchmarks/torch_reference.py, from
+the same parameters and batches, torch.profiler's self time per operator): the attention kernel,
+the other matmuls, the rest of the forward and backward passes (norms, activations, rotary, loss,
+copies), and the optimizer with clipping and metrics. Run it on one core (`taskset -c 0`) to
+compare the two in the same unit: each side then spends one thread's time, part by part.
 """
 
 from __future__ import annotations
@@ -59,6 +65,52 @@ def thunk_times(trace_dir: Path) -> collections.Counter:
     return times
 
 
+PARTS = ("attention", "other matmuls", "rest of forward and backward", "optimizer, clipping, metrics")
+TORCH_MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
+
+
+def part_of(kind: str, op_name: str) -> str:
+    """Which part of the step an XLA thunk belongs to, by its kind and the jaxpr path it comes from:
+    the attention kernel's blocks run in nested loops; the gradient's ops sit under jvp/transpose."""
+    if "while/body/while/body" in op_name:
+        return PARTS[0]
+    if kind == "matmul":
+        return PARTS[1]
+    return PARTS[2] if not op_name or op_name.startswith(("jvp(", "transpose(")) else PARTS[3]
+
+
+def torch_part_of(op: str) -> str:
+    if "scaled_dot_product" in op:
+        return PARTS[0]
+    if op in TORCH_MATMULS:
+        return PARTS[1]
+    return PARTS[3] if "_foreach" in op or "adam" in op.lower() else PARTS[2]
+
+
+def torch_parts(run, state, steps: int) -> dict:
+    """PyTorch's step on the same parameters and batches: ms per step by part (self time per
+    operator, torch.profiler), and its wall time per step."""
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch_reference import torch_side
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    step, timed = torch_side(run, state)
+    timed(3)
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
+        wall = timed(steps)
+    parts = collections.Counter()
+    for event in prof.key_averages():
+        parts[torch_part_of(event.key)] += event.self_cpu_time_total / 1e3 / steps
+    return {"step_ms": wall * 1e3, "parts_ms": {p: parts[p] for p in PARTS}, "threads": torch.get_num_threads()}
+
+
+def op_names(hlo: str) -> dict[str, str]:
+    """Each HLO instruction's op_name (the jaxpr path it comes from), by instruction name."""
+    found = re.finditer(r"^\s*(?:ROOT )?%(\S+) = [^\n]*?op_name=\"([^\"]*)\"", hlo, re.MULTILINE)
+    return {m.group(1): m.group(2).removeprefix("jit(train_step)/") for m in found}
+
+
 def _origin(hlo: str, name: str) -> str:
     """The thunk's HLO result shape and where it comes from (its op_name; for an instruction XLA
     added without one, e.g. a loop's copy, its opcode and operands)."""
@@ -70,7 +122,7 @@ def _origin(hlo: str, name: str) -> str:
     return f"{found.group(1).split('{')[0]} {origin[-80:]}"
 
 
-def profile(overrides: list[str], steps: int, top: int) -> dict:
+def profile(overrides: list[str], steps: int, top: int, with_torch: bool = True) -> dict:
     import _steps
 
     config = _common.tiny_config(overrides)
@@ -86,11 +138,15 @@ def profile(overrides: list[str], steps: int, top: int) -> dict:
             jax.block_until_ready(metrics)
         wall = (time.perf_counter() - start) / steps
         times = thunk_times(Path(tmp))
-    by_kind = collections.Counter()
+    by_kind, by_part, hlo = collections.Counter(), collections.Counter(), compiled.as_text()
+    names = op_names(hlo)
     for name, ns in times.items():
         by_kind[kind_of(name)] += ns
-    hlo, gflop = compiled.as_text(), run.flops_per_token * config.train.global_batch_size * config.train.seq_len / 1e9
+        by_part[part_of(kind_of(name), names.get(name, ""))] += ns
+    gflop = run.flops_per_token * config.train.global_batch_size * config.train.seq_len / 1e9
     return {"step_ms": wall * 1e3, "thunks_ms": sum(times.values()) / steps / 1e6, "model_gflop": gflop,
+            "parts_ms": {p: by_part[p] / steps / 1e6 for p in PARTS},
+            "torch": torch_parts(run, state, steps) if with_torch else None,
             "matmul_gflop_per_thread_s": gflop / (by_kind["matmul"] / steps / 1e9),
             "kinds_ms": {k: v / steps / 1e6 for k, v in by_kind.most_common()},
             "top": [{"thunk": n, "ms": v / steps / 1e6, "op": _origin(hlo, n)} for n, v in times.most_common(top)]}
@@ -101,8 +157,15 @@ def _table(shape: str, r: dict) -> str:
     rows += [f"| {k} | {v:.1f} | {v / r['thunks_ms']:.0%} |" for k, v in r["kinds_ms"].items()]
     rows += ["", "| largest thunks | ms per step | HLO result and origin |", "|---|---|---|"]
     rows += [f"| {t['thunk']} | {t['ms']:.2f} | `{t['op']}` |" for t in r["top"]]
+    if r["torch"]:
+        t = r["torch"]
+        rows += ["", f"| part of the step | XLA:CPU thunks, ms | PyTorch ({t['threads']} threads), ms | ratio |",
+                 "|---|---|---|---|"]
+        pairs = [(p, r["parts_ms"][p], t["parts_ms"][p]) for p in PARTS] + [("the step, wall", r["step_ms"],
+                                                                             t["step_ms"])]
+        rows += [f"| {name} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f} |" for name, ours, theirs in pairs]
     return (f"Shape {shape}: step {r['step_ms']:.1f} ms under the profiler, thunks {r['thunks_ms']:.1f} ms "
-            f"(two threads); the model's {r['model_gflop']:.2f} GFLOP a step ran at "
+            f"(over {len(os.sched_getaffinity(0))} core(s)); the model's {r['model_gflop']:.2f} GFLOP a step ran at "
             f"{r['matmul_gflop_per_thread_s']:.0f} GFLOP/s per thread in the matmul thunks.\n\n" + "\n".join(rows))
 
 

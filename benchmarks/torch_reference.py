@@ -143,22 +143,29 @@ def torch_stepper(params: dict, spec, optim_cfg, schedule, batches: list):
     return step, timed
 
 
-def compare(shape: str, overrides: list[str], rounds: int, steps: int) -> dict:
-    """One shape: the first two losses of each side, median step times and their ratio."""
+def torch_side(run, state):
+    """torch_stepper from the run's initial parameters, on the run's first batches."""
     import jax
 
     from jaxscale.data import make_data
     from jaxscale.optim import make_schedule
 
+    config = run.config
+    same = make_data(config, run.batch_sharding).train_batches(0)
+    held = [jax.device_get(next(same)) for _ in range(8)]
+    return torch_stepper(jax.device_get(state.params), run.model.spec, config.optim,
+                         make_schedule(config.optim, config.train.steps), held)
+
+
+def compare(shape: str, overrides: list[str], rounds: int, steps: int) -> dict:
+    """One shape: the first two losses of each side, median step times and their ratio."""
+    import jax
+
     import _steps
 
     config = _common.tiny_config(overrides)
     run, compiled, _, state, ours = _steps.prepare(config)
-    params = jax.device_get(state.params)
-    same = make_data(config, run.batch_sharding).train_batches(0)  # the same batches, for the PyTorch side
-    held = [jax.device_get(next(same)) for _ in range(8)]
-    torch_step, torch_timed = torch_stepper(params, run.model.spec, config.optim,
-                                            make_schedule(config.optim, config.train.steps), held)
+    torch_step, torch_timed = torch_side(run, state)
     losses = {"torch": [torch_step(), torch_step()], "jaxscale": []}
     live = {"state": state, "batches": ours}
 

@@ -149,6 +149,9 @@ def _check_cpu_profile(out):
     assert set(out["kinds_ms"]) <= {"matmul", "copy/transpose", "broadcast", "stacked slices", "other fusions"}
     assert out["kinds_ms"]["matmul"] > 0 and out["thunks_ms"] == pytest.approx(sum(out["kinds_ms"].values()))
     assert len(out["top"]) == 12 and all(t["op"] for t in out["top"])  # each traced thunk found in the HLO
+    assert sum(out["parts_ms"].values()) == pytest.approx(out["thunks_ms"])  # every thunk in one part
+    torch_parts = out["torch"]["parts_ms"]
+    assert torch_parts.keys() == out["parts_ms"].keys() and all(v > 0 for v in torch_parts.values())
 
 
 BENCHMARKS = {  # file -> (extra arguments, check of its JSON)

@@ -189,18 +189,22 @@ def test_layer_loop_auto_unrolls_small_models_on_one_cpu_device(platform, device
         assert resolve_layer_loop(SimpleNamespace(layer_loop=forced, num_layers=layers), one_cpu) is (forced == "scan")
 
 
+@pytest.mark.parametrize("from_activation", [False, True])
 @pytest.mark.parametrize("k, x_shape, w_shape", [(1, (2, 5, 6), (6, 3, 4)), (2, (2, 5, 3, 4), (3, 4, 6))])
-def test_cpu_projection_is_the_einsum_with_the_same_gradients(k, x_shape, w_shape):
+def test_cpu_projection_is_the_einsum_with_the_same_gradients(k, x_shape, w_shape, from_activation):
     from jaxscale.models.matmul import project
 
     rng = np.random.default_rng(0)
     x, w = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in (x_shape, w_shape))
 
     def loss(x, w, cpu):
-        return jnp.sum(jnp.sin(project(x, w, k, cpu)))
+        return jnp.sum(jnp.sin(project(jnp.tanh(x), w, k, cpu, from_activation)))
 
-    plain, cpu = (jax.jit(jax.value_and_grad(loss, (0, 1)), static_argnums=2)(x, w, c) for c in (False, True))
+    grad = jax.jit(jax.value_and_grad(loss, (0, 1)), static_argnums=2)
+    plain, cpu = (grad(x, w, c) for c in (False, True))
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), cpu, plain)
+    # an activation's output reaches its weight gradient whole, through a conditional fusion cannot enter
+    assert (" conditional(" in grad.lower(x, w, True).compile().as_text()) == from_activation
 
 
 @pytest.mark.parametrize("remat", ["none", "dots_saveable"])

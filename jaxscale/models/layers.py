@@ -148,5 +148,5 @@ class GeluMLP(nnx.Module):
 
     def __call__(self, x_BLD):
         h_BLF = jax.nn.gelu(project(x_BLD, self.w_in[...], 1, self.cpu) + self.bias_in[...], approximate=True)
-        return project(constrain(h_BLF, ("batch", "act_length", "act_mlp")), self.w_out[...], 1, self.cpu) + \
-            self.bias_out[...]
+        return project(constrain(h_BLF, ("batch", "act_length", "act_mlp")), self.w_out[...], 1, self.cpu,
+                       from_activation=True) + self.bias_out[...]

@@ -9,6 +9,15 @@ fold the transpose back into the dot): x^T @ dy is then a plain [D, tokens] @ [t
 On configs/tiny.py's step on one CPU device it took 87.8 -> 75.4 ms (benchmarks/torch_reference.py,
 benchmarks/RESULTS.md). On accelerators, and on several devices, the plain einsum is used: the
 partitioner places it, and the barrier would hide the transpose from it.
+
+When x is an activation's output (GELU's: (u + b) * 0.5 * (1 + tanh(...))), XLA:CPU fuses the
+activation's cheap tail into the transpose instead of reading the x the forward pass made: the
+tail is computed again, element by element in transposed order, about 25 times slower than a
+plain transpose of x ([768, 512]: 2.9 ms against 0.12 ms). The barrier is gone before fusion
+runs, so `from_activation=True` puts the weight gradient inside a conditional (both branches
+the same) that fusion cannot reach into: x is passed in whole. On the GPT-2 shape of
+benchmarks/torch_reference.py that made the step 5-12% faster (four interleaved runs); on SwiGLU's output
+it was no faster (a conditional's matmul runs on one thread), so only GeluMLP asks for it.
 """
 
 from __future__ import annotations
@@ -30,28 +39,37 @@ def _spec(x_ndim: int, w_ndim: int, k: int) -> str:
     return f"{batch}{contract},{contract}{out}->{batch}{out}"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _cpu_project(x, w, k: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _cpu_project(x, w, k: int, from_activation: bool):
     return jnp.einsum(_spec(x.ndim, w.ndim, k), x, w)
 
 
-def _cpu_fwd(x, w, k):
-    return _cpu_project(x, w, k), (x, w)
+def _cpu_fwd(x, w, k, from_activation):
+    return _cpu_project(x, w, k, from_activation), (x, w)
 
 
-def _cpu_bwd(k, residuals, dy):
+def _weight_grad(x2, dy2):
+    """x^T @ dy as a plain matmul: x^T materialised, the barrier keeping it out of the dot."""
+    return jax.lax.optimization_barrier(x2.T) @ dy2
+
+
+def _cpu_bwd(k, from_activation, residuals, dy):
     x, w = residuals
     contract, out = math.prod(w.shape[:k]), math.prod(w.shape[k:])
     x2, w2 = x.reshape(-1, contract), w.reshape(contract, out)
     dy2 = dy.reshape(x2.shape[0], out)
     dx = (dy2 @ w2.T).reshape(x.shape)
-    dw = (jax.lax.optimization_barrier(x2.T) @ dy2).reshape(w.shape)
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    if from_activation:  # a predicate XLA cannot fold (false only for a NaN, and both branches agree)
+        dw = jax.lax.cond(dy2[0, 0] == dy2[0, 0], _weight_grad, _weight_grad, x2, dy2)
+    else:
+        dw = _weight_grad(x2, dy2)
+    return dx.astype(x.dtype), dw.reshape(w.shape).astype(w.dtype)
 
 
 _cpu_project.defvjp(_cpu_fwd, _cpu_bwd)
 
 
-def project(x, w, k: int = 1, cpu: bool = False):
-    """x's last k axes contracted with w's first k: [..., C...] @ [C..., O...] -> [..., O...]."""
-    return _cpu_project(x, w, k) if cpu else jnp.einsum(_spec(x.ndim, w.ndim, k), x, w)
+def project(x, w, k: int = 1, cpu: bool = False, from_activation: bool = False):
+    """x's last k axes contracted with w's first k: [..., C...] @ [C..., O...] -> [..., O...];
+    with `cpu`, the backward pass above (`from_activation`: x is an activation's output)."""
+    return _cpu_project(x, w, k, from_activation) if cpu else jnp.einsum(_spec(x.ndim, w.ndim, k), x, w)
