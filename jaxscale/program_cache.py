@@ -108,12 +108,16 @@ def _store(path: Path, compiled) -> None:
         entry = pickle.dumps((*serialize_executable.serialize(compiled), devices))
     except Exception:  # noqa: BLE001  (host offload, constants: programs JAX cannot serialize)
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.tmp")
-    partial.write_bytes(entry)
-    os.replace(partial, path)  # whole or absent, whoever else writes the same key
-    for old in sorted(path.parent.glob("*.pkl"), key=_last_used, reverse=True)[KEEP:]:
-        old.unlink(missing_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_bytes(entry)
+        os.replace(partial, path)  # whole or absent, whoever else writes the same key
+        for old in sorted(path.parent.glob("*.pkl"), key=_last_used, reverse=True)[KEEP:]:
+            old.unlink(missing_ok=True)
+    except OSError:  # a full disk or a read-only cache costs the next start its head start, not this run
+        with contextlib.suppress(OSError):
+            partial.unlink()
 
 
 def _last_used(path: Path) -> float:

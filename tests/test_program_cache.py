@@ -62,6 +62,15 @@ def test_an_unreadable_entry_is_compiled_again(kept):
     assert program_cache.load_or_compile(key, lambda: f.lower(*args))[1]  # rewritten whole
 
 
+def test_a_cache_that_cannot_be_written_costs_nothing_but_the_entry(tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the directory should be: every write fails
+    monkeypatch.setattr(program_cache, "directory", lambda: blocked / "programs")
+    f, args = _program([])
+    compiled, loaded = program_cache.load_or_compile("f-x", lambda: f.lower(*args))
+    assert not loaded and float(compiled(*args)[0]) == float(f(*args)[0])
+
+
 def test_only_the_newest_are_kept(kept, monkeypatch):
     monkeypatch.setattr(program_cache, "KEEP", 2)
     f, args = _program([])
