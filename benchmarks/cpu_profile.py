@@ -95,7 +95,7 @@ def torch_parts(run, state, steps: int) -> dict:
     from torch_reference import torch_side
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
-    step, timed = torch_side(run, state)
+    _, timed = torch_side(run, state)
     timed(3)
     with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
         wall = timed(steps)
@@ -122,7 +122,7 @@ def _origin(hlo: str, name: str) -> str:
     return f"{found.group(1).split('{')[0]} {origin[-80:]}"
 
 
-def profile(overrides: list[str], steps: int, top: int, with_torch: bool = True) -> dict:
+def profile(overrides: list[str], steps: int, top: int) -> dict:
     import _steps
 
     config = _common.tiny_config(overrides)
@@ -146,10 +146,18 @@ def profile(overrides: list[str], steps: int, top: int, with_torch: bool = True)
     gflop = run.flops_per_token * config.train.global_batch_size * config.train.seq_len / 1e9
     return {"step_ms": wall * 1e3, "thunks_ms": sum(times.values()) / steps / 1e6, "model_gflop": gflop,
             "parts_ms": {p: by_part[p] / steps / 1e6 for p in PARTS},
-            "torch": torch_parts(run, state, steps) if with_torch else None,
+            "torch": torch_parts(run, state, steps),
             "matmul_gflop_per_thread_s": gflop / (by_kind["matmul"] / steps / 1e9),
             "kinds_ms": {k: v / steps / 1e6 for k, v in by_kind.most_common()},
             "top": [{"thunk": n, "ms": v / steps / 1e6, "op": _origin(hlo, n)} for n, v in times.most_common(top)]}
+
+
+def _versus_torch(r: dict) -> list[str]:
+    t = r["torch"]
+    pairs = [(p, r["parts_ms"][p], t["parts_ms"][p]) for p in PARTS] + [("the step, wall", r["step_ms"], t["step_ms"])]
+    return [f"| part of the step | XLA:CPU thunks, ms | PyTorch ({t['threads']} threads), ms | ratio |",
+            "|---|---|---|---|", *(f"| {name} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f} |"
+                                   for name, ours, theirs in pairs)]
 
 
 def _table(shape: str, r: dict) -> str:
@@ -157,13 +165,7 @@ def _table(shape: str, r: dict) -> str:
     rows += [f"| {k} | {v:.1f} | {v / r['thunks_ms']:.0%} |" for k, v in r["kinds_ms"].items()]
     rows += ["", "| largest thunks | ms per step | HLO result and origin |", "|---|---|---|"]
     rows += [f"| {t['thunk']} | {t['ms']:.2f} | `{t['op']}` |" for t in r["top"]]
-    if r["torch"]:
-        t = r["torch"]
-        rows += ["", f"| part of the step | XLA:CPU thunks, ms | PyTorch ({t['threads']} threads), ms | ratio |",
-                 "|---|---|---|---|"]
-        pairs = [(p, r["parts_ms"][p], t["parts_ms"][p]) for p in PARTS] + [("the step, wall", r["step_ms"],
-                                                                             t["step_ms"])]
-        rows += [f"| {name} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f} |" for name, ours, theirs in pairs]
+    rows += ["", *_versus_torch(r)]
     return (f"Shape {shape}: step {r['step_ms']:.1f} ms under the profiler, thunks {r['thunks_ms']:.1f} ms "
             f"(over {len(os.sched_getaffinity(0))} core(s)); the model's {r['model_gflop']:.2f} GFLOP a step ran at "
             f"{r['matmul_gflop_per_thread_s']:.0f} GFLOP/s per thread in the matmul thunks.\n\n" + "\n".join(rows))

@@ -65,12 +65,12 @@ class Session:
     def compiled(self):
         """The train step compiled ahead of time (once per session), so step times never include it."""
         if self._compiled is None:
-            before = compile_cache.hits(), program_cache.hits()
+            lowered_hits, whole_hits = compile_cache.hits(), program_cache.hits()
             self._compiled, self.compile_s = self.run.compile()
             how = "compiled the train step"
-            if program_cache.hits() > before[1]:
+            if program_cache.hits() > whole_hits:
                 how = "loaded the whole train step from the cache"
-            elif compile_cache.hits() > before[0]:
+            elif compile_cache.hits() > lowered_hits:
                 how = "loaded the compiled train step from the cache"
             self.services.display.print(f"{how} in {self.compile_s:.1f}s")
         return self._compiled
