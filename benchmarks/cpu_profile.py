@@ -141,8 +141,9 @@ def profile(overrides: list[str], steps: int, top: int) -> dict:
     by_kind, by_part, hlo = collections.Counter(), collections.Counter(), compiled.as_text()
     names = op_names(hlo)
     for name, ns in times.items():
-        by_kind[kind_of(name)] += ns
-        by_part[part_of(kind_of(name), names.get(name, ""))] += ns
+        kind = kind_of(name)
+        by_kind[kind] += ns
+        by_part[part_of(kind, names.get(name, ""))] += ns
     gflop = run.flops_per_token * config.train.global_batch_size * config.train.seq_len / 1e9
     return {"step_ms": wall * 1e3, "thunks_ms": sum(times.values()) / steps / 1e6, "model_gflop": gflop,
             "parts_ms": {p: by_part[p] / steps / 1e6 for p in PARTS},

@@ -12,9 +12,9 @@ ARGS = ["--config=configs/tiny.py", "--config.train.steps=2", "--config.train.ev
         "--config.model.num_layers=1", "--config.checkpoint.every_steps=0"]
 
 
-def _start(tmp_path, name, *extra, env=None):
+def _start(tmp_path, name, *extra):
     # The suite's own cache (JAX_COMPILATION_CACHE_DIR) is there too: a named directory wins over it.
-    done = run_cli([*ARGS, f"--workdir={tmp_path / name}", *extra], devices=1, env=env)
+    done = run_cli([*ARGS, f"--workdir={tmp_path / name}", *extra], devices=1)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
