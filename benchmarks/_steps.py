@@ -17,12 +17,16 @@ class Stepper(NamedTuple):
 
 def prepare(config, devices=None):
     """(the built Run, its train step compiled ahead of time, compile seconds, a fresh state, the
-    run's training batches from the start) on `devices` (default: all)."""
+    run's training batches from the start) on `devices` (default: all); glibc malloc set up as the
+    CLI sets it (jaxscale/cpu_malloc.py)."""
+    from jaxscale import cpu_malloc
     from jaxscale.build import build
     from jaxscale.data import make_data
 
+    cpu_malloc.apply_cpu_defaults(config.xla)  # before JAX starts its CPU threads
     run = build(config, devices)
     compiled, seconds = run.compile()
+    cpu_malloc.fit_scratch(compiled)
     return run, compiled, seconds, run.init_state(), make_data(config, run.batch_sharding).train_batches(0)
 
 

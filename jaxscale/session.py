@@ -16,7 +16,7 @@ from pathlib import Path
 
 import jax
 
-from jaxscale import compile_cache, inspection, preflight, program_cache, resume, xla_flags
+from jaxscale import compile_cache, cpu_malloc, inspection, preflight, program_cache, resume, xla_flags
 from jaxscale import config as config_lib
 from jaxscale import report as report_lib
 from jaxscale.build import Run, build
@@ -73,6 +73,8 @@ class Session:
             elif compile_cache.hits() > lowered_hits:
                 how = "loaded the compiled train step from the cache"
             self.services.display.print(f"{how} in {self.compile_s:.1f}s")
+            if note := cpu_malloc.fit_scratch(self._compiled):
+                self.services.display.print(f"note: {note}")
         return self._compiled
 
     def val_batches(self) -> list:
@@ -182,6 +184,9 @@ def _introduce(run: Run, data: Data, workdir: Path, display: ProgressDisplay, ca
         display.print(note)
     if xla_flags.applied:
         display.print(f"note: XLA flags for GPUs set (any you put in XLA_FLAGS win): {', '.join(xla_flags.applied)}")
+    if cpu_malloc.applied:
+        display.print(f"note: malloc keeps XLA:CPU's step buffers in the heap (any MALLOC_* you set wins): "
+                      f"{', '.join(cpu_malloc.applied)}")
     if jax.process_count() > 1:
         print(f"process {jax.process_index()} of {jax.process_count()}: {jax.local_device_count()} devices, "
               f"reads rows {data.rows.start}:{data.rows.stop} of each batch", flush=True)

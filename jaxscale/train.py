@@ -15,10 +15,11 @@ USAGE = "usage: python -m jaxscale.train --config=PATH [--config.section.key=val
 
 
 def _train(config, path: str, flags: dict) -> None:
-    from jaxscale import distributed, xla_flags  # after parsing: bad flags fail before the model is built
+    from jaxscale import cpu_malloc, distributed, xla_flags  # after parsing: bad flags fail before the model is built
     from jaxscale.loop import train
 
     xla_flags.apply_gpu_defaults(config.xla)  # before JAX starts the GPU backend
+    cpu_malloc.apply_cpu_defaults(config.xla)  # before JAX starts its CPU threads
     distributed.initialize(config.distributed)  # before anything touches the devices
     workdir = Path(flags.get("workdir") or Path("runs") / Path(path).stem)
     train(config, workdir, show_progress=sys.stdout.isatty())

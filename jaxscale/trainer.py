@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale import inspection, loop
+from jaxscale import cpu_malloc, inspection, loop
 from jaxscale.session import open_session
 
 
@@ -31,6 +31,7 @@ class Trainer:
     def __init__(self, config, workdir: str | Path, devices=None, show_progress: bool = False):
         self.config, self.workdir = config, Path(workdir)
         self._stack = contextlib.ExitStack()
+        cpu_malloc.apply_cpu_defaults(config.xla)  # before JAX starts its CPU threads, if it has not yet
         self._session = self._stack.enter_context(open_session(config, self.workdir, show_progress, devices))
         self._records = {r["step"]: r for r in _earlier_records(self.workdir)}
 

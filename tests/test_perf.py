@@ -1,12 +1,15 @@
 """Performance plumbing: a profiler window into the workdir, the step-time breakdown, compile
-time and goodput in every record, and the XLA flags set on GPUs."""
+time and goodput in every record, the XLA flags set on GPUs and the malloc settings on CPUs."""
 
+import json
+import os
 import subprocess
 import sys
 
 import pytest
 
-from jaxscale import xla_flags
+from conftest import ROOT
+from jaxscale import cpu_malloc, xla_flags
 from jaxscale.config import defaults
 from jaxscale.loop import train
 
@@ -42,3 +45,36 @@ def test_the_installed_xla_knows_every_gpu_default(extra, accepted):
     env = {"XLA_FLAGS": xla_flags.with_defaults(extra), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
     done = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True, text=True)
     assert (done.returncode == 0) is accepted, done.stderr[-500:]
+
+
+def test_cpu_malloc_settings_only_on_the_cpu_and_only_where_the_user_set_none():
+    on, chose, cpu = defaults().xla, cpu_malloc.user_chose, cpu_malloc.cpu_expected
+    assert cpu({"JAX_PLATFORMS": "cpu"}) and not cpu({"JAX_PLATFORMS": "cuda,cpu"})
+    assert chose({"MALLOC_ARENA_MAX": "4"}) and chose({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})
+    assert not chose({"GLIBC_TUNABLES": "glibc.pthread.rseq=0", "PATH": "/bin"})
+    assert cpu_malloc.apply_cpu_defaults(on, {"JAX_PLATFORMS": "tpu"}) == []
+    assert cpu_malloc.apply_cpu_defaults(on, {"JAX_PLATFORMS": "cpu", "MALLOC_ARENA_MAX": "2"}) == []
+    on.cpu_defaults = False
+    assert cpu_malloc.apply_cpu_defaults(on, {"JAX_PLATFORMS": "cpu"}) == []
+
+
+def _scratch_faults(*modes: str) -> list[dict]:
+    """tests/scratch_faults.py in each mode, side by side; XLA's own optimisation (not the suite's
+    -O0, under which this program's running sums run 20x slower)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "XLA_FLAGS"))} | {"JAX_PLATFORMS": "cpu"}
+    runs = [subprocess.Popen([sys.executable, "tests/scratch_faults.py", m], env=env, cwd=ROOT, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for m in modes]
+    outs = [run.communicate() for run in runs]
+    assert all(run.returncode == 0 for run in runs), [err[-500:] for _, err in outs]
+    return [json.loads(out.splitlines()[-1]) for out, _ in outs]
+
+
+def test_cpu_malloc_settings_stop_the_page_faults_of_xla_cpus_scratch_buffer():
+    """glibc mmaps a scratch buffer this large afresh for every execution: a fault per page. In
+    the heap the same pages serve every call; given back to mmap, the faults return."""
+    off, on = _scratch_faults("off", "on,large")
+    pages = off["scratch"] / 4096
+    assert off["scratch"] > 40 * 2**20 and off["made"] == [] and off["faults"] > pages / 2
+    assert on["made"] == ["M_MMAP_MAX=0", "M_TRIM_THRESHOLD=2147483647", "M_ARENA_MAX=1"]
+    assert on["faults"] < pages / 100
+    assert "back to the system" in on["note"] and on["left"] == ["M_ARENA_MAX=1"] and on["faults_after"] > pages / 2
