@@ -48,6 +48,14 @@ def _cpu_fwd(x, w, k, from_activation):
     return _cpu_project(x, w, k, from_activation), (x, w)
 
 
+def apart(fn, *args):
+    """fn(*args) made whole, apart from its consumers, which XLA:CPU's fusion would otherwise
+    recompute it into element by element: a conditional with fn on both branches, on a predicate
+    XLA cannot fold (an element equal to itself: false only for a NaN, and the branches agree)."""
+    first = jax.tree.leaves(args)[0].reshape(-1)[0]
+    return jax.lax.cond(first == first, fn, fn, *args)
+
+
 def _weight_grad(x2, dy2):
     """x^T @ dy as a plain matmul: x^T materialised, the barrier keeping it out of the dot."""
     return jax.lax.optimization_barrier(x2.T) @ dy2
@@ -59,10 +67,7 @@ def _cpu_bwd(k, from_activation, residuals, dy):
     x2, w2 = x.reshape(-1, contract), w.reshape(contract, out)
     dy2 = dy.reshape(x2.shape[0], out)
     dx = (dy2 @ w2.T).reshape(x.shape)
-    if from_activation:  # a predicate XLA cannot fold (false only for a NaN, and both branches agree)
-        dw = jax.lax.cond(dy2[0, 0] == dy2[0, 0], _weight_grad, _weight_grad, x2, dy2)
-    else:
-        dw = _weight_grad(x2, dy2)
+    dw = apart(_weight_grad, x2, dy2) if from_activation else _weight_grad(x2, dy2)
     return dx.astype(x.dtype), dw.reshape(w.shape).astype(w.dtype)
 
 
