@@ -37,9 +37,13 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 from torch_reference import SHAPES, SMOKE  # noqa: E402
 
+from jaxscale.kernels import flash  # noqa: E402
+
 KINDS = (("matmul", ("ynn_fusion", "xnn_fusion", "dot")), ("copy/transpose", ("copy", "transpose")),
          ("broadcast", ("broadcast",)), ("stacked slices", ("dynamic-slice", "dynamic-update-slice")))
-CONTAINERS = ("while", "cond", "call", "ThunkExecutor", "SlinkyThreadPool")
+# Events that are not one thunk's work: loops and calls around thunks, the executor and its pool,
+# and the markers of a thunk's completion ("end: NAME").
+CONTAINERS = ("while", "cond", "call", "ThunkExecutor", "SlinkyThreadPool", "end: ")
 
 
 def kind_of(name: str) -> str:
@@ -71,8 +75,8 @@ TORCH_MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
 
 def part_of(kind: str, op_name: str) -> str:
     """Which part of the step an XLA thunk belongs to, by its kind and the jaxpr path it comes from:
-    the attention kernel's blocks run in nested loops; the gradient's ops sit under jvp/transpose."""
-    if "while/body/while/body" in op_name:
+    the attention kernel's ops sit under its named scope; the gradient's under jvp/transpose."""
+    if flash.SCOPE in op_name:
         return PARTS[0]
     if kind == "matmul":
         return PARTS[1]

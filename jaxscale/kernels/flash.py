@@ -32,6 +32,7 @@ import jax.numpy as jnp
 EMPTY = -1e30  # the log-sum-exp of a row that saw nothing in a key range (finite: no NaN on merge)
 HIDDEN = 2 * EMPTY  # the bias on an invisible key's score: exp(HIDDEN - max) is 0 for any max >= EMPTY
 BLOCK = 512    # default tile edge (model.attention.block_size)
+SCOPE = "flash_attention"  # the kernel's name in its HLO's op_name metadata (benchmarks/cpu_profile.py)
 
 
 def block_for(length: int, target: int) -> int:
@@ -214,7 +215,8 @@ def attention(q_BLHE, k_BLKE, v_BLKE, q_pos_BL, k_pos_BL, q_seg_BL=None, k_seg_B
     block_for(L, block) rows; gradients by the blockwise backward."""
     q_seg_BL = jnp.zeros_like(q_pos_BL) if q_seg_BL is None else q_seg_BL
     k_seg_BL = jnp.zeros_like(k_pos_BL) if k_seg_BL is None else k_seg_BL
-    out = _attend(group(q_BLHE, k_BLKE.shape[2]), heads_major(k_BLKE), heads_major(v_BLKE),
-                  q_pos_BL, k_pos_BL, q_seg_BL, k_seg_BL,
-                  block_for(q_BLHE.shape[1], block), block_for(k_BLKE.shape[1], block))
+    with jax.named_scope(SCOPE):
+        out = _attend(group(q_BLHE, k_BLKE.shape[2]), heads_major(k_BLKE), heads_major(v_BLKE),
+                      q_pos_BL, k_pos_BL, q_seg_BL, k_seg_BL,
+                      block_for(q_BLHE.shape[1], block), block_for(k_BLKE.shape[1], block))
     return ungroup(out)
