@@ -62,8 +62,16 @@ def cpu_expected(env) -> bool:
     return not accelerator_present()
 
 
+def _libc():
+    """The C library of this process, or None where ctypes cannot open it (Windows)."""
+    try:
+        return ctypes.CDLL(None)
+    except (OSError, TypeError):
+        return None
+
+
 def _mallopt():
-    return getattr(ctypes.CDLL(None), "mallopt", None)
+    return getattr(_libc(), "mallopt", None)
 
 
 applied: list[str] = []  # the settings this process made, for the run's notes
@@ -106,7 +114,7 @@ def fit_scratch(compiled) -> str | None:
     mallopt = _mallopt()
     for name, value in GLIBC_DEFAULTS.items():
         mallopt(SETTINGS[name][0], value)
-    ctypes.CDLL(None).malloc_trim(0)  # the heap's free pages back to the system now
+    _libc().malloc_trim(0)  # the heap's free pages back to the system now
     applied[:] = [a for a in applied if a.split("=")[0] not in GLIBC_DEFAULTS]
     return (f"malloc gives large blocks back to the system again: {SCRATCH_COPIES} copies of the step's scratch "
             f"buffers ({scratch_bytes / 2**30:.2f} GiB each) would pass a quarter of the memory available "
