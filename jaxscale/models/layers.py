@@ -69,14 +69,19 @@ def _sin_cos(angle_BLE):
     return jnp.sin(angle_BLE)[:, :, None, :], jnp.cos(angle_BLE)[:, :, None, :]
 
 
-def rope(x_BLHE, positions_BL, theta: float, cpu: bool = False):
-    """Rotary position embedding (rotate-half form) applied in fp32. With `cpu` the sines and
-    cosines are made apart ([B, L, E/2], `matmul.apart`): XLA:CPU would otherwise compute them
+def rope_tables(positions_BL, head_dim: int, theta: float, cpu: bool = False):
+    """(sin, cos), [B, L, 1, E/2] float32, of rotary embedding at these positions, for q and k
+    alike. With `cpu` they are made apart (`matmul.apart`): XLA:CPU would otherwise compute them
     again for every head, in the fusion that rotates and transposes q (3% of tiny.py's step)."""
-    half = x_BLHE.shape[-1] // 2
+    half = head_dim // 2
     freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angle_BLE = positions_BL[..., None].astype(jnp.float32) * freq
-    sin, cos = apart(_sin_cos, angle_BLE) if cpu else _sin_cos(angle_BLE)
+    return apart(_sin_cos, angle_BLE) if cpu else _sin_cos(angle_BLE)
+
+
+def rope(x_BLHE, tables):
+    """Rotary position embedding (rotate-half form) applied in fp32, by `rope_tables`."""
+    sin, cos = tables
     x1, x2 = jnp.split(x_BLHE.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLHE.dtype)
 
@@ -114,8 +119,8 @@ class Attention(nnx.Module):
         v_BLKE = self._project(x_BLD, self.wv, "bias_v", "act_kv_heads")
         positions_BL = places.positions
         if self.use_rope:
-            q_BLHE = rope(q_BLHE, positions_BL, self.theta, self.cpu)
-            k_BLKE = rope(k_BLKE, positions_BL, self.theta, self.cpu)
+            tables = rope_tables(positions_BL, q_BLHE.shape[-1], self.theta, self.cpu)
+            q_BLHE, k_BLKE = rope(q_BLHE, tables), rope(k_BLKE, tables)
         if cache is not None:
             cache = dict(k=write_cache(cache["k"], k_BLKE, positions_BL),
                          v=write_cache(cache["v"], v_BLKE, positions_BL))
