@@ -25,7 +25,6 @@ from jaxscale import state as state_lib
 from jaxscale.guard import GuardSpec
 from jaxscale.mesh import granule_count
 from jaxscale.models import LanguageModel, model_from_config
-from jaxscale.models.precision import compute_dtype
 from jaxscale.offload import OffloadSpec, check_supported, to_device_kind
 from jaxscale.optim import make_optimizer
 from jaxscale.sharding import Layout, layout_from_config
@@ -119,8 +118,7 @@ def build(config, devices=None, platform: str | None = None) -> Run:
     tx, schedule = make_optimizer(config.optim, config.train.steps)
     guard = GuardSpec.from_config(config.guard)
     abstract, shardings = state_lib.abstract(model, tx, layout, guard, offload)
-    spec = StepSpec(model, tx, schedule, layout, shardings, compute_dtype(config.model.dtype, platform),
-                    config.train.grad_accum_steps, guard)
+    spec = StepSpec(model, tx, schedule, layout, shardings, config.train.grad_accum_steps, guard)
     n = metrics_lib.active_params(abstract.params, model.spec)
     return Run(config=config, platform=platform, layout=layout, model=model, offload=offload, step_spec=spec,
                abstract_state=abstract, notes=tuple(notes + model_notes),
@@ -134,7 +132,7 @@ def _model(config, platform: str, layout: Layout) -> tuple[LanguageModel, list[s
     model, notes = model_from_config(config, platform, layout)
     here = jax.default_backend()
     if model.spec.attention_impl == "cudnn" and here != "gpu":
-        model, _ = model_from_config(config, here, layout)
+        model = LanguageModel(dataclasses.replace(model.spec, attention_impl="xla"))
         notes = [f"attention: planned with the xla kernel (cuDNN's does not compile on this {here} host, "
                  "not even for compile-only GPUs: it needs the cuDNN library); on the GPU cuDNN flash "
                  "attention runs instead, and its temporaries are not in this plan"]

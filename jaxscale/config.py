@@ -46,6 +46,8 @@ def _add_model(c: ml_collections.ConfigDict) -> None:
         remat="none",          # none | full | dots_saveable: what the backward pass recomputes per layer
         layer_loop="auto",     # scan | unroll | auto (unroll up to 8 layers on one CPU device, else scan)
         projections="auto",    # einsum | cpu (XLA:CPU's fast backward, models/matmul.py) | auto (cpu on one CPU device)
+        head_chunk_mib=256.0,  # the training loss runs over the vocabulary in chunks of at most this many MiB of
+                               # float32 logits per device (models/vocab.py); 0 = the whole vocabulary at once
         attention=dict(
             impl="auto",               # xla | cudnn | splash | auto (cudnn on GPU, splash on TPU, where they run)
             context_parallel="ring",   # ring | all_gather: attention when mesh.sequence > 1
@@ -93,7 +95,8 @@ def _add_training(c: ml_collections.ConfigDict) -> None:
         eval_batches=4,        # validation batches per evaluation
     )
     c.optim = dict(lr=3e-4, warmup_steps=100, min_lr_ratio=0.1, weight_decay=0.1,
-                   clip_norm=1.0, b1=0.9, b2=0.95, eps=1e-8)
+                   clip_norm=1.0, b1=0.9, b2=0.95, eps=1e-8,
+                   grad_reduce_dtype="")  # "" = the compute dtype on the wire | float32: gradients summed in fp32
     c.data = dict(
         source="auto",         # auto = file if data.path else embedded | embedded | synthetic | file
         path="",               # token stores (python -m jaxscale.prepare), .bin/.npy, or text: .txt/.md,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from jaxscale.errors import ConfigError, require
@@ -103,7 +102,8 @@ def make_mesh(mesh_cfg, devices=None, dcn_cfg=None) -> Mesh:
             [ici[a] for a in AXES], [dcn[a] for a in AXES], devices,
             process_is_granule=not _has_slices(devices))
         return Mesh(grid, AXES, axis_types=auto)
-    shape = tuple(ici[axis] for axis in AXES)
-    if devices == list(jax.devices()):
-        return jax.make_mesh(shape, AXES, axis_types=auto)
-    return Mesh(np.array(devices).reshape(shape), AXES, axis_types=auto)
+    # JAX's mesh builder orders the devices by their place in the TPU torus (CPUs and GPUs as
+    # given): in the listed order, a TPU slice's devices come host by host, so an axis over all
+    # of them is no ring and the TPU compiler writes its all-gathers as all-reduces of
+    # zero-filled buffers (measured at 128-way fsdp on v5p-256: 85 GiB sent per chip a step).
+    return jax.make_mesh(tuple(ici[axis] for axis in AXES), AXES, axis_types=auto, devices=devices)

@@ -29,6 +29,8 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "vocab": ("tensor",),
     "layers": ("pipeline",),
     "position": (),
+    "norm": (),              # vectors along d_model (norm scales and biases, output biases): whole everywhere;
+                             # gathering 4096 numbers over fsdp costs a collective for nothing
     "experts": ("expert",),  # the expert dimension of expert weights (mixture of experts)
     "router": (),            # the router's output dimension (a score per expert): small, never split
     # activations
@@ -49,6 +51,7 @@ LAYER_LOOPS = ("auto", "scan", "unroll")
 PROJECTIONS = ("auto", "einsum", "cpu")
 UNROLL_UP_TO = 8  # layer_loop=auto unrolls this many layers or fewer on CPU
 DTYPES = ("auto", "float32", "bfloat16")
+GRAD_REDUCE_DTYPES = ("", "float32", "bfloat16")  # "": the compute dtype
 ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
 CONTEXT_PARALLEL = ("ring", "all_gather")
 PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble", "file")

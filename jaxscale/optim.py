@@ -5,13 +5,15 @@ from __future__ import annotations
 import jax
 import optax
 
-from jaxscale.errors import require_non_negative, require_positive
+from jaxscale.errors import require_choice, require_non_negative, require_positive
+from jaxscale.names import GRAD_REDUCE_DTYPES
 
 
 def check(config) -> None:
     """The `optim` settings are usable; raises ConfigError naming the field."""
     require_positive(config, ("optim.lr",))
     require_non_negative(config, ("optim.warmup_steps", "optim.weight_decay", "optim.clip_norm", "optim.min_lr_ratio"))
+    require_choice("optim.grad_reduce_dtype", config.optim.grad_reduce_dtype, GRAD_REDUCE_DTYPES)
 
 
 def make_schedule(optim_cfg, total_steps: int) -> optax.Schedule:

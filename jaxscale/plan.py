@@ -3,9 +3,10 @@
 
 Compiles the real train step ahead of time for the configured mesh, allocating nothing (on fake
 CPU devices when the target hardware is absent: XLA_FLAGS=--xla_force_host_platform_device_count=N),
-and reports per device: parameter, gradient, optimizer and temporary bytes from the compiled
-program beside the arithmetic for the layout and ZeRO stage, and the collectives per step (by
-kind, and by the mesh axes they run over with the bytes each device sends).
+and reports per device, from that one compiled program, rows that add up to its peak: parameters
+and optimizer state (beside the arithmetic for the layout and ZeRO stage), the other inputs,
+the temporaries (and the gradients among them) and the new outputs; and the collectives per
+step (by kind, and by the mesh axes they run over with the bytes each device sends).
 `--topology` compiles for a TPU pod slice with the TPU compiler itself (libtpu's compile-only
 client, on any host), or for H100/H200 hosts with XLA's GPU compiler (the CUDA plugin against a
 described target, on any host), and checks the result against the devices' memory.
@@ -27,7 +28,6 @@ from jaxscale.errors import ConfigError
 from jaxscale.models.moe import expert_param_count
 from jaxscale.offload import HOST
 from jaxscale.sharding import Layout
-from jaxscale.step import jit_grad_step
 
 USAGE = ("usage: python -m jaxscale.plan --config=PATH [--config.section.key=value ...] [--json] "
          "[--device_memory_gb=GB] [--platform=cpu|gpu|tpu "
@@ -44,19 +44,33 @@ def shard_bytes(tree, memory_kind: str | None = None) -> int:
                if memory_kind is None or x.sharding.memory_kind == memory_kind)
 
 
-def expected_bytes(layer_params: int, other_params: int, layout: Layout, expert_params: int = 0) -> dict[str, float]:
-    """The arithmetic: params 4N, grads 4N, Adam 8N, each divided by the devices that split it.
+def param_counts(model) -> dict[str, int]:
+    """The model's parameters by how the rules split them: `layers` (the stacked layers' weights:
+    pipeline, fsdp, tensor; `experts` of them over expert too), `layer_vectors` (the layers'
+    vectors along d_model, norm scales and biases: pipeline only), `other` (embedding and head:
+    fsdp, tensor) and `vectors` (the final norm: never)."""
+    counts = dict.fromkeys(("layers", "layer_vectors", "other", "vectors"), 0)
+    axes = jax.tree.leaves(model.axes, is_leaf=lambda x: isinstance(x, tuple))
+    for names, shape in zip(axes, jax.tree.leaves(model.shapes), strict=True):
+        stacked, vector = names[0] == "layers", set(names) <= {"layers", "norm"}
+        kind = ("layer_vectors" if vector else "layers") if stacked else ("vectors" if vector else "other")
+        counts[kind] += math.prod(shape.shape)
+    counts["experts"] = expert_param_count(model.shapes)
+    return counts
 
-    `fsdp` and `tensor` split everything, `pipeline` the stacked layers, `expert` the expert
-    weights (`expert_params` of the layer parameters); ZeRO adds `data` for optimizer state
-    (stage >= 1), gradients (>= 2) and parameters (3).
-    """
+
+def expected_bytes(counts: dict[str, int], layout: Layout) -> dict[str, float]:
+    """The arithmetic: params 4N, grads 4N, Adam 8N, each divided by the devices that split it
+    (`param_counts` says which split what); ZeRO adds `data` for optimizer state (stage >= 1),
+    gradients (>= 2) and parameters (3)."""
     shape, zero = layout.mesh.shape, layout.zero_stage
-    layers = layer_params - expert_params + expert_params / shape["expert"]
+    experts = counts["experts"] / shape["expert"]
+    spread = ((counts["layers"] - counts["experts"] + experts) / (shape["pipeline"] * shape["fsdp"] * shape["tensor"])
+              + counts["layer_vectors"] / shape["pipeline"] + counts["other"] / (shape["fsdp"] * shape["tensor"])
+              + counts["vectors"])
 
     def per_device(bytes_per_param: int, stage: int) -> float:
-        split = shape["fsdp"] * shape["tensor"] * (shape["data"] if zero >= stage else 1)
-        return bytes_per_param * (layers / shape["pipeline"] + other_params) / split
+        return bytes_per_param * spread / (shape["data"] if zero >= stage else 1)
 
     return {"params": per_device(4, 3), "grads": per_device(4, 2), "opt_state": per_device(8, 1)}
 
@@ -69,13 +83,20 @@ def compile_plan(config, platform: str, devices=None):
 
 
 def compiled_bytes(run, compiled) -> dict[str, int]:
-    """Per-device bytes of parameters, gradients and optimizer state as the compiler placed
-    them: the state from the compiled step's input shardings, the gradients from the output
-    shardings of the compiled gradient program (the backward pass and its reductions alone)."""
+    """Per-device bytes of the compiled train step, in rows that add up to its peak ("total"):
+    the parameters and optimizer state (from the step's own input shardings), the rest of its
+    arguments (the batch, step, key and guard), its temporaries, and the outputs that do not
+    reuse a donated argument's buffer. "grads" is part of the temporaries, not another row: the
+    gradients at the shardings the step constrains them to (ZeRO-2 splits them over data)."""
+    memory = compiled.memory_analysis()
     state = state_lib.with_shardings(run.abstract_state, compiled.input_shardings[0][0])
-    grads_program = jit_grad_step(run.step_spec).lower(run.abstract_state.params, run.batch_shape()).compile()
-    grads = state_lib.with_shardings(run.abstract_state.params, grads_program.output_shardings)
-    return {"params": shard_bytes(state.params), "grads": shard_bytes(grads), "opt_state": shard_bytes(state.opt_state)}
+    params, opt_state = shard_bytes(state.params), shard_bytes(state.opt_state)
+    grads = state_lib.with_shardings(run.abstract_state.params, run.step_spec.grad_shardings)
+    rows = {"params": params, "opt_state": opt_state,
+            "other_args": memory.argument_size_in_bytes - params - opt_state,
+            "temp": memory.temp_size_in_bytes,
+            "outputs": memory.output_size_in_bytes - memory.alias_size_in_bytes}
+    return {**rows, "total": sum(rows.values()), "grads": shard_bytes(grads)}
 
 
 def _pipeline_summary(run) -> dict:
@@ -92,16 +113,16 @@ def _pipeline_summary(run) -> dict:
 
 def make_plan(config, platform: str | None = None, devices=None) -> dict:
     """The plan as a JSON-ready dict (see the module docstring), over `devices` (default: all)."""
-    platform = platform or jax.default_backend()
-    run, compiled, compile_s = compile_plan(config, platform, devices)
+    return describe(config, *compile_plan(config, platform or jax.default_backend(), devices))
+
+
+def describe(config, run, compiled, compile_s: float) -> dict:
+    """The plan of a compiled train step (`compile_plan`'s result) as a JSON-ready dict."""
+    platform = run.platform
     memory, params = compiled.memory_analysis(), run.abstract_state.params
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-    n_layers = sum(math.prod(x.shape) for x in jax.tree.leaves(params["layers"]))
     totals = profile.step_totals(compiled.as_text())
-    per_device = {**compiled_bytes(run, compiled), "temp": memory.temp_size_in_bytes}
-    # Peak: live arguments + temporaries + outputs that do not reuse a donated input.
-    per_device["total"] = (memory.argument_size_in_bytes + memory.temp_size_in_bytes
-                           + memory.output_size_in_bytes - memory.alias_size_in_bytes)
+    per_device = compiled_bytes(run, compiled)
     state = run.abstract_state
     return {"mesh": dict(run.layout.mesh.shape), "zero_stage": run.layout.zero_stage,
             "pipeline": _pipeline_summary(run),
@@ -112,7 +133,7 @@ def make_plan(config, platform: str | None = None, devices=None) -> dict:
                                "temp": memory.temp_size_in_bytes, "alias": memory.alias_size_in_bytes,
                                "code": memory.generated_code_size_in_bytes},
             "host_bytes": {"params": shard_bytes(state.params, HOST), "opt_state": shard_bytes(state.opt_state, HOST)},
-            "expected_bytes": expected_bytes(n_layers, n_params - n_layers, run.layout, expert_param_count(params)),
+            "expected_bytes": expected_bytes(param_counts(run.model), run.layout),
             "collectives": totals.collectives, "collectives_by_axis": totals.by_axis(run.layout.mesh.shape),
             "flops": _flops(run, None if totals.convolutions else totals.dot_flops, config),
             "notes": list(run.notes)}
@@ -130,7 +151,7 @@ def _flops(run, compiled_flops: int | None, config) -> dict:
 
 def advice(plan: dict, config, limit_bytes: float) -> list[str]:
     """Why it does not fit and what would help, biggest contributor first."""
-    parts = {k: v for k, v in plan["per_device_bytes"].items() if k != "total"}
+    parts = {k: v for k, v in plan["per_device_bytes"].items() if k in ("params", "opt_state", "temp")}
     order = sorted(parts, key=parts.get, reverse=True)
     lines = [f"does not fit: {_size(plan['per_device_bytes']['total'])} per device > {_size(limit_bytes)}; "
              f"biggest: " + ", ".join(f"{k} {_size(parts[k])}" for k in order[:3])]
@@ -138,7 +159,6 @@ def advice(plan: dict, config, limit_bytes: float) -> list[str]:
         "opt_state": f"raise zero_stage (now {config.zero_stage}) or mesh.fsdp to split optimizer state, or "
                      "offload.optimizer_state=True to keep it in host memory",
         "params": "zero_stage=3 or a larger mesh.fsdp / mesh.tensor splits parameters",
-        "grads": "zero_stage>=2 or a larger mesh.fsdp splits gradients",
         "temp": f"model.remat=full (now {config.model.remat}), a larger train.grad_accum_steps "
                 f"(now {config.train.grad_accum_steps}) or mesh.tensor with sharding.sequence_parallel=True "
                 "shrink activations",
@@ -162,11 +182,13 @@ def table(plan: dict) -> str:
         mesh += f" on {pod['name']} ({pod['devices']} x {pod['device_kind']}, compiled by the {compiler} compiler)"
     rows = [f"plan: {plan['num_params'] / 1e6:,.1f}M params | mesh {mesh} | zero_stage={plan['zero_stage']} | "
             f"compute {plan['compute_dtype']} on {plan['platform']} | compiled in {plan['compile_s']}s",
-            f"{'per device':<12}{'compiled':>14}{'arithmetic':>14}"]
-    for key in ("params", "grads", "opt_state", "temp", "total"):
+            f"{'per device':<16}{'compiled':>14}{'arithmetic':>14}"]
+    labels = {"params": "params", "opt_state": "opt_state", "other_args": "other inputs", "temp": "temporaries",
+              "grads": "  of which grads", "outputs": "outputs (new)", "total": "total"}
+    for key, label in labels.items():
         expected = plan["expected_bytes"].get(key)
         shown = "" if expected is None else f"{_size(expected):>14}"
-        rows.append(f"{key:<12}{_size(plan['per_device_bytes'][key]):>14}{shown}")
+        rows.append(f"{label:<16}{_size(plan['per_device_bytes'][key]):>14}{shown}")
     host = plan.get("host_bytes", {})
     if any(host.values()):
         rows.append("in pinned host memory (offloaded; XLA:CPU counts it as device memory above): "

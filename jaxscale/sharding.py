@@ -150,6 +150,30 @@ def add_axis(spec: P, shape: tuple[int, ...], axis: str, mesh: Mesh) -> P:
     return P(*entries)
 
 
+def param_spec(layout: Layout, names: tuple[str, ...], shape: tuple[int, ...], over_data: bool = False,
+               where: str = "") -> P:
+    """Where a parameter-shaped array is stored: its rules, and with `over_data` (ZeRO) split over
+    `data` too. The `data` split joins the dimension FSDP splits (the one named `embed`), so that
+    ZeRO-3 is FSDP over one more axis and a weight is gathered whole by one all-gather; where that
+    dimension does not divide, it goes where `add_axis` puts it."""
+    spec = layout.spec(names, where)
+    if not over_data or layout.mesh.shape["data"] == 1:
+        return spec
+    if "embed" in names:
+        dim = names.index("embed")
+        entries = list(spec) + [None] * (len(shape) - len(spec))
+        current = () if entries[dim] is None else (entries[dim],) if isinstance(entries[dim], str) else entries[dim]
+        parts = math.prod(layout.mesh.shape[a] for a in current) * layout.mesh.shape["data"]
+        if "data" not in current and shape[dim] % parts == 0:
+            # data inside fsdp's blocks: a ZeRO-1/2 moment or gradient block is then a slice of
+            # its parameter's block (data first, the optimizer update permuted every leaf)
+            entries[dim] = _entry(tuple(current) + ("data",))
+            while entries and entries[-1] is None:
+                entries.pop()
+            return P(*entries)
+    return add_axis(spec, shape, "data", layout.mesh)
+
+
 def named(mesh: Mesh, specs):
     """NamedShardings for a tree of PartitionSpecs."""
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
@@ -166,6 +190,11 @@ def rules_from_config(config, sizes: Mapping[str, int]) -> tuple[dict[str, tuple
     notes = []
     if config.sharding.sequence_parallel and "tensor" not in rules["length"]:
         rules["length"] = rules["length"] + ("tensor",)
+    parts, axes = split_ways(rules["vocab"], sizes)
+    if config.model.vocab_size % parts:
+        rules["vocab"] = rules["act_vocab"] = ()
+        notes.append(f"model.vocab_size={config.model.vocab_size} does not divide over {axes}: the embedding and "
+                     "head are whole along the vocabulary there (still split along d_model by fsdp)")
     tensor, kv = sizes["tensor"], config.model.num_kv_heads
     if tensor > 1 and kv % tensor:
         rules["kv_heads"] = tuple(a for a in rules["kv_heads"] if a != "tensor")

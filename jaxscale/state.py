@@ -48,11 +48,9 @@ def create(model: LanguageModel, tx: optax.GradientTransformation, seed: int, gu
 
 def param_specs(model: LanguageModel, layout: shd.Layout, over_data: bool) -> dict:
     """PartitionSpecs of parameter-shaped trees; over_data adds the ZeRO split over `data`."""
-    specs = shd.tree_specs(layout, model.axes)
-    if not over_data:
-        return specs
-    return jax.tree.map(lambda spec, shape: shd.add_axis(spec, shape.shape, "data", layout.mesh),
-                        specs, model.shapes, is_leaf=lambda x: isinstance(x, P))
+    def one(path, names, shape):
+        return shd.param_spec(layout, names, shape.shape, over_data, jax.tree_util.keystr(path))
+    return jax.tree_util.tree_map_with_path(one, model.axes, model.shapes, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def grad_shardings(model: LanguageModel, layout: shd.Layout) -> dict:

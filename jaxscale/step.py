@@ -1,6 +1,6 @@
 """Pure train and eval steps: mixed precision, in-graph gradient accumulation, jitted once.
 
-    spec = StepSpec(model, tx, schedule, layout, state_shardings, dtype=jnp.bfloat16, accum_steps=4)
+    spec = StepSpec(model, tx, schedule, layout, state_shardings, accum_steps=4)
     step = jit_train_step(spec)          # (state, batch) -> (state, metrics); the old state donated
 """
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +37,13 @@ class StepSpec:
     schedule: optax.Schedule
     layout: Layout
     state_shardings: TrainState          # where every leaf of the state lives (host memory too)
-    dtype: Any = jnp.float32             # compute dtype of the forward and backward
     accum_steps: int = 1                 # microbatches per step, accumulated in-graph
     guard: GuardSpec = GuardSpec()
+
+    @property
+    def dtype(self):
+        """The compute dtype of the forward and backward (the model's: model.spec.weights)."""
+        return self.model.spec.dtype
 
     @functools.cached_property
     def grad_shardings(self) -> dict:
@@ -55,11 +58,10 @@ class StepSpec:
 
 
 def loss_fn(params: dict, batch: Batch, spec: StepSpec) -> tuple[jax.Array, dict]:
-    """(training objective, metrics) of model.loss, the forward in spec.dtype and the loss in
-    float32, activations placed by the layout's rules."""
-    cast = jax.tree.map(lambda p: p.astype(spec.dtype), params)
+    """(training objective, metrics) of model.loss: the float32 parameters cast to the compute
+    dtype where the model uses them, the loss in float32, activations placed by the layout's rules."""
     with spec.layout.activate():  # sharding constraints only: the algorithms are the model's strategy
-        return spec.model.loss(cast, batch["inputs"], batch["targets"], batch.get("segments"))
+        return spec.model.loss(params, batch["inputs"], batch["targets"], batch.get("segments"))
 
 
 def _grad_fn(spec: StepSpec):
@@ -167,14 +169,3 @@ def jit_eval_step(spec: StepSpec):
 
     replicated = NamedSharding(spec.layout.mesh, P())
     return jax.jit(fn, in_shardings=(params_shardings, spec.layout.batch_sharding()), out_shardings=replicated)
-
-
-def jit_grad_step(spec: StepSpec):
-    """(params, batch) -> gradients as the train step leaves them before the update (constrained
-    to spec.grad_shardings), with the output placement left to the compiler: compiling it shows
-    where the compiler keeps gradients and how many bytes each device holds."""
-    def fn(params, batch):
-        grads = loss_and_grads(on_device(params, spec.state_shardings.params), batch, spec)[1]
-        return jax.lax.with_sharding_constraint(grads, spec.grad_shardings)
-
-    return jax.jit(fn, in_shardings=(spec.state_shardings.params, spec.layout.batch_sharding()))

@@ -53,6 +53,22 @@ class Pod:
         return f"{GENERATIONS[self.generation][0]}:{self.shape}"
 
     @property
+    def wrap(self) -> tuple[bool, bool, bool]:
+        """Which of the slice's dimensions close into rings by wraparound links: every dimension of
+        a v4/v5p slice built of whole 4x4x4 cubes (a torus), and a 16-chip dimension of a v5e/v6e
+        slice. Described without them, a 128-chip axis is no ring and the TPU compiler writes its
+        all-gathers as all-reduces of zero-filled buffers (twice the bytes)."""
+        dims = [int(d) for d in self.shape.split("x")]
+        if GENERATIONS[self.generation][3]:
+            return (all(d % 4 == 0 for d in dims),) * 3
+        return (dims[0] == 16, dims[1] == 16, False)
+
+    @property
+    def chip_config(self) -> str:
+        """libtpu's name for how a chip's TensorCores make devices: one megacore on v4 and v5p."""
+        return "megacore" if GENERATIONS[self.generation][3] else "default"
+
+    @property
     def accelerator_type(self) -> str:
         """One slice's Cloud TPU accelerator type (v5e's is spelled v5litepod)."""
         count = self.chips * GENERATIONS[self.generation][1]
@@ -109,11 +125,15 @@ def compile_only_devices(name: str) -> tuple[list, Pod]:
     # libtpu reads these when it starts; off a TPU VM it would guess them and print warnings.
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", pod.accelerator_type)
+    # A compile-only client owns no chip, so it takes no lock on the host's TPUs: without this a
+    # second plan running beside the first died on libtpu's multi-process lockfile.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
         from jax.experimental import topologies
 
         kwargs = {"num_slices": pod.slices} if pod.slices > 1 else {}
-        devices = topologies.get_topology_desc(pod.libtpu_name, "tpu", **kwargs).devices
+        devices = topologies.get_topology_desc(pod.libtpu_name, "tpu", chip_config_name=pod.chip_config,
+                                               wrap=pod.wrap, **kwargs).devices
     except (ImportError, RuntimeError) as error:
         raise ConfigError(FIELD, name, "compiling for a TPU topology needs libtpu: pip install 'jaxscale[tpu]' "
                                        f"({str(error).splitlines()[0][:120]})") from None

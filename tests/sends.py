@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import pytest
 
@@ -60,3 +61,46 @@ def assert_sends(plan: dict, spec: dict, sizes: Sizes, rel: float = 0.10) -> Non
     assert all(set(axes.split("+")) <= named for _, axes in sent), f"runs over axes the spec does not name: {sent}"
     for key, formula in spec.items():
         assert sent.get(key, 0.0) == pytest.approx(formula(sizes), rel=rel), key
+
+
+def param_groups(config) -> dict[str, int]:
+    """A dense model's parameter count from its config alone, by how the rules split them:
+    `layers` (pipeline, fsdp, tensor), `layer_vectors` (norm scales and biases along d_model:
+    pipeline only), `other` (embedding, head, learned positions: fsdp, tensor), `vectors` (the
+    final norm: whole)."""
+    m = config.model
+    D, H, K, F, V, L = m.d_model, m.num_heads, m.num_kv_heads, m.d_ff, m.vocab_size, m.num_layers
+    E, gpt2 = D // H, m.family == "gpt2"
+    attention = 2 * D * H * E + 2 * D * K * E + (H * E + 2 * K * E if gpt2 else 0)
+    mlp = 2 * D * F + F if gpt2 else 3 * D * F
+    other = V * D * (1 if m.tie_embeddings else 2) + (m.max_seq_len * D if gpt2 else 0)
+    vectors = 2 * D if gpt2 else D  # LayerNorm's scale and bias, or RMSNorm's scale
+    return {"layers": L * (attention + mlp), "layer_vectors": L * (2 * vectors + (2 * D if gpt2 else 0)),
+            "other": other, "vectors": vectors}
+
+
+def state_bytes(config, devices: int) -> dict[str, float]:
+    """Per-device bytes of float32 parameters (4N), gradients (4N) and Adam state (8N) by the
+    arithmetic, from the config's mesh and ZeRO stage (never from a planner's layout): each
+    divided by the devices that split it, ZeRO adding `data` from stage 1 (optimizer state), 2
+    (gradients) and 3 (parameters)."""
+    from jaxscale.mesh import resolve_shape
+
+    shape, zero, n = resolve_shape(config.mesh, devices), config.zero_stage, param_groups(config)
+    model_parallel = shape["fsdp"] * shape["tensor"]
+    spread = (n["layers"] / (shape["pipeline"] * model_parallel) + n["layer_vectors"] / shape["pipeline"]
+              + n["other"] / model_parallel + n["vectors"])
+
+    def per_device(bytes_per_param: int, stage: int) -> float:
+        return bytes_per_param * spread / (shape["data"] if zero >= stage else 1)
+
+    return {"params": per_device(4, 3), "grads": per_device(4, 2), "opt_state": per_device(8, 1)}
+
+
+def vocabulary_arrays(hlo_text: str, vocab: int) -> set[int]:
+    """For every array in a compiled program with a dimension of the whole vocabulary, the number
+    of elements beside it (d_model / its split for a device's slice of the table; the whole
+    d_model for a whole table, the tokens for their logits). Pick a vocabulary size nothing else
+    in the model has."""
+    shapes = re.findall(rf"\w+\[((?:\d+,)*{vocab}(?:,\d+)*)\]", hlo_text)
+    return {math.prod(int(d) for d in dims.split(",")) // vocab for dims in shapes}

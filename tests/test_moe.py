@@ -105,7 +105,7 @@ def _run(layout, spec=SPEC, accum=1, steps=2):
     model = LanguageModel(ModelSpec(**{**spec.__dict__, "strategy": Strategy.for_layout(layout)}))
     tx, schedule = make_optimizer(config_lib.defaults().optim, 10)
     state, shardings = initial_state(model, tx, layout, spec)
-    step = jit_train_step(StepSpec(model, tx, schedule, layout, shardings, jnp.float32, accum))
+    step = jit_train_step(StepSpec(model, tx, schedule, layout, shardings, accum))
     history = []
     for i in range(steps):
         state, metrics = step(state, jax.device_put(_batch(seed=i), layout.batch_sharding()))

@@ -65,7 +65,9 @@ EXPECTED = {
     "data2_tensor4": {"wq": P(None, None, "tensor"), "w_down": P(None, "tensor"), "embed": P("tensor"),
                       "mu_wq": P(None, None, "tensor")},
     "zero1_data8": {"wq": P(), "w_down": P(), "embed": P(), "mu_wq": P(None, "data")},
-    "zero3_data8": {"wq": P(None, "data"), "w_down": P(None, "data"), "embed": P("data"), "mu_wq": P(None, "data")},
+    # ZeRO-3 splits over data where FSDP would (the d_model dimension): one gather makes a weight whole
+    "zero3_data8": {"wq": P(None, "data"), "w_down": P(None, None, "data"), "embed": P(None, "data"),
+                    "mu_wq": P(None, "data")},
     # the layer dimension is split over pipeline: each device's contiguous block of layers is its stage
     "pipeline2_fsdp4": {"wq": P("pipeline", "fsdp"), "w_down": P("pipeline", None, "fsdp"), "embed": P(None, "fsdp"),
                         "mu_wq": P("pipeline", "fsdp")},
@@ -127,9 +129,9 @@ def test_every_parameter_spec_fsdp2_tensor4_untied():
     assert got == {
         "['embed']": P("tensor", "fsdp"),                     # vocab x embed
         "['head']": P("fsdp", "tensor"),                      # embed x vocab (column parallel logits)
-        "['final_norm']['scale']": P("fsdp"),
-        "['layers']['attn_norm']['scale']": P(None, "fsdp"),
-        "['layers']['mlp_norm']['scale']": P(None, "fsdp"),
+        "['final_norm']['scale']": P(),                       # vectors along d_model stay whole
+        "['layers']['attn_norm']['scale']": P(),
+        "['layers']['mlp_norm']['scale']": P(),
         "['layers']['attn']['wq']": P(None, "fsdp", "tensor"),  # column parallel over heads
         "['layers']['attn']['wk']": P(None, "fsdp", "tensor"),
         "['layers']['attn']['wv']": P(None, "fsdp", "tensor"),

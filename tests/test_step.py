@@ -14,6 +14,7 @@ from jaxscale import state as state_lib
 from jaxscale.config import defaults
 from jaxscale.models import LanguageModel, ModelSpec, Strategy
 from jaxscale.optim import make_optimizer
+from jaxscale.parallel.fsdp import Weights
 from jaxscale.sharding import Layout, rules_from_config
 from jaxscale.step import StepSpec, compute_dtype, jit_train_step
 
@@ -34,18 +35,20 @@ def _layout(devices=None, zero_stage=0, sequence_parallel=False, spec=SPEC, **si
     return Layout.of(mesh, rules, zero_stage)
 
 
-def _model(spec, layout, **strategy):
-    """The model of `spec` with the parallel strategy of `layout` (see Strategy.for_layout)."""
-    return LanguageModel(dataclasses.replace(spec, strategy=Strategy.for_layout(layout, **strategy)))
+def _model(spec, layout, dtype=jnp.float32, **strategy):
+    """The model of `spec` with the parallel strategy of `layout` (see Strategy.for_layout),
+    computing in `dtype` on CPU."""
+    return LanguageModel(dataclasses.replace(spec, strategy=Strategy.for_layout(layout, **strategy),
+                                             weights=Weights.of(dtype, compiler="cpu")))
 
 
 def _run(layout, accum, optim_cfg, steps=2, rows=32, vary=True, dtype=jnp.float32, spec=SPEC, strategy=None):
     """(metrics per step, final params, step fn, state, last batch) of `steps` updates."""
-    model = _model(spec, layout, **(strategy or {}))
+    model = _model(spec, layout, dtype, **(strategy or {}))
     tx, schedule = make_optimizer(optim_cfg, 10)
     state, shardings = initial_state(model, tx, layout, (spec, optim_cfg.to_json()))
     shd = layout.batch_sharding()
-    step = jit_train_step(StepSpec(model, tx, schedule, layout, shardings, dtype, accum))
+    step = jit_train_step(StepSpec(model, tx, schedule, layout, shardings, accum))
     history = []
     for i in range(steps):
         batch = jax.device_put(_batch(rows, seed=i if vary else 0), shd)

@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, cli_env
 from jaxscale import cli, profile, topology
 from jaxscale import config as config_lib
 from jaxscale import plan as plan_lib
 from jaxscale.errors import ConfigError
-from sends import Sizes, assert_sends
+from sends import Sizes, assert_sends, param_groups, state_bytes, vocabulary_arrays
 
 pytest.importorskip("libtpu", reason="compiling for TPU needs libtpu (pip install 'jaxscale[tpu]')")
 
@@ -170,6 +170,29 @@ def test_cli_says_whether_it_fits(capsys):
     assert small == 0 and "does not fit" in capsys.readouterr().err
 
 
+HOLD_A_CLIENT = ("import sys; from jaxscale import topology; topology.compile_only_devices('v5e-8'); "
+                 "print('ready', flush=True); sys.stdin.readline()")
+
+
+def test_two_tpu_plans_run_at_once():
+    """A compile-only client owns no chip, so it takes no lock on the host's TPUs: a second one
+    starts while the first holds libtpu (before, it died on libtpu's multi-process lockfile)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in cli_env().items() if k != "ALLOW_MULTIPLE_LIBTPU_LOAD"}
+    command = [sys.executable, "-c", HOLD_A_CLIENT]
+    with subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True) as first:
+        try:
+            assert first.stdout.readline().strip() == "ready"  # it holds its client now
+            second = subprocess.run(command, cwd=ROOT, env=env, input="\n", capture_output=True, text=True,
+                                    timeout=300)
+        finally:
+            first.stdin.close()
+    assert second.returncode == 0 and second.stdout.strip() == "ready", second.stderr[-2000:]
+
+
 def test_cli_refuses_a_topology_for_another_platform(capsys):
     assert plan_lib.main(["--config=configs/tiny.py", "--topology=v5e-8", "--platform=gpu"]) == 2
     assert capsys.readouterr().err.startswith("jaxscale: error: --platform")
@@ -193,3 +216,45 @@ def test_on_tpu_attention_is_the_splash_kernel_on_each_chips_rows_and_heads():
                                                           "dkv_segmented_no_residuals"))
     splash_totals, xla_totals = (profile.step_totals(compiled[i].as_text()) for i in ("auto", "xla"))
     assert splash_totals.unknown_loops == 0 and splash_totals.collectives == xla_totals.collectives
+
+
+# The collectives spec for pods, its numbers from the config and the parameter count alone: a
+# Llama-3 shape (configs/llama3_8b.py at 4 layers and d_model 2048, untied head) on 32 v5p chips,
+# fsdp over all of them, full remat, bfloat16 compute, 4 chunks of the head a pass. (Compiling
+# takes the same time at any width; at d_model 512 the TPU compiler wrote the attention weights'
+# small gradient reduce-scatters, 128 KiB a stage, as all-reduces.)
+POD = ["mesh.data=1", "mesh.fsdp=-1", "model.num_layers=4", "model.d_model=2048", "model.num_heads=16",
+       "model.num_kv_heads=8", "model.d_ff=5632", "model.vocab_size=16384", "train.seq_len=512",
+       "train.global_batch_size=32", "model.head_chunk_mib=8"]
+
+
+@pytest.fixture(scope="module")
+def pod_fsdp32():
+    devices, _ = topology.compile_only_devices("v5p-64")
+    config = cli.load_config(str(ROOT / "configs" / "llama3_8b.py"), POD)
+    run, compiled, seconds = plan_lib.compile_plan(config, "tpu", devices)
+    return config, plan_lib.describe(config, run, compiled, seconds), compiled.as_text()
+
+
+def test_a_pod_gathers_weights_reduce_scatters_gradients_and_exchanges_rows(pod_fsdp32):
+    """Per chip and step, by ring arithmetic (n = 32): every weight but the norm scales, in
+    bfloat16, all-gathered twice (forward, and again in the rematerialised backward) and its
+    gradient reduce-scattered once; the embedding's rows exchanged by all-to-all, forward and
+    backward. Nothing else but the norm scales' gradients and scalars (under 2% of W)."""
+    config, plan, _ = pod_fsdp32
+    n, m = 32, config.model
+    groups = param_groups(config)
+    gathered = 2 * (groups["layers"] + groups["other"] - m.vocab_size * m.d_model)  # bf16: the head, not the table
+    rows = 2 * config.train.global_batch_size // n * config.train.seq_len * m.d_model  # bf16 [rows, L, D]
+    spec = {("all-gather", "fsdp"): lambda s: 2 * (n - 1) / n * gathered,
+            ("reduce-scatter", "fsdp"): lambda s: (n - 1) / n * gathered,
+            ("all-to-all", "fsdp"): lambda s: 2 * (n - 1) / n * rows}
+    assert_sends(plan, spec, Sizes.of(config, plan))
+
+
+def test_a_pod_holds_its_share_of_the_state_and_no_whole_table_or_logits(pod_fsdp32):
+    config, plan, hlo = pod_fsdp32
+    got, want = plan["per_device_bytes"], state_bytes(config, 32)
+    for key in ("params", "opt_state"):
+        assert got[key] == pytest.approx(want[key], rel=0.01), key
+    assert max(vocabulary_arrays(hlo, 16384)) <= 2048 // 32  # at most each chip's own slice of the table, [V, D/32]

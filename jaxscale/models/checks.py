@@ -6,7 +6,7 @@ Config-level only (errors and names): checking a config never builds a model.
 
 from __future__ import annotations
 
-from jaxscale.errors import require, require_choice, require_positive
+from jaxscale.errors import require, require_choice, require_non_negative, require_positive
 from jaxscale.names import ATTENTION_IMPLS, DTYPES, FAMILIES, LAYER_LOOPS, PROJECTIONS, REMAT_POLICIES, split_ways
 
 _SIZES = ("model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads", "model.d_ff",
@@ -23,6 +23,7 @@ def check_model(config) -> None:
                                   ("model.attention.impl", m.attention.impl, ATTENTION_IMPLS)):
         require_choice(field, value, choices)
     require_positive(config, _SIZES)
+    require_non_negative(config, ("model.head_chunk_mib",))
     _check_shapes(m, config.train.seq_len)
 
 

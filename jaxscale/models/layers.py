@@ -44,7 +44,7 @@ def ones(shape, axes) -> nnx.Param:
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float):
-        self.scale = ones((dim,), ("embed",))
+        self.scale = ones((dim,), ("norm",))
         self.eps = eps
 
     def __call__(self, x_BLD):
@@ -55,8 +55,8 @@ class RMSNorm(nnx.Module):
 
 class LayerNorm(nnx.Module):
     def __init__(self, dim: int, eps: float):
-        self.scale = ones((dim,), ("embed",))
-        self.bias = zeros((dim,), ("embed",))
+        self.scale = ones((dim,), ("norm",))
+        self.bias = zeros((dim,), ("norm",))
         self.eps = eps
 
     def __call__(self, x_BLD):
@@ -102,7 +102,7 @@ class Attention(nnx.Module):
             self.bias_q = zeros((H, E), ("heads", "head_dim"))
             self.bias_k = zeros((K, E), ("kv_heads", "head_dim"))
             self.bias_v = zeros((K, E), ("kv_heads", "head_dim"))
-            self.bias_o = zeros((D,), ("embed",))
+            self.bias_o = zeros((D,), ("norm",))
 
     def _project(self, x_BLD, w, bias_name, heads_axis):
         y = project(x_BLD, w[...], 1, self.cpu)
@@ -155,7 +155,7 @@ class GeluMLP(nnx.Module):
         self.cpu = cfg.cpu_matmul
         self.bias_in = zeros((F,), ("mlp",))
         self.w_out = normal(rngs, (F, D), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
-        self.bias_out = zeros((D,), ("embed",))
+        self.bias_out = zeros((D,), ("norm",))
 
     def __call__(self, x_BLD):
         h_BLF = jax.nn.gelu(project(x_BLD, self.w_in[...], 1, self.cpu) + self.bias_in[...], approximate=True)

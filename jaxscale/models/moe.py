@@ -232,6 +232,8 @@ def dispatch_combine(x_BLD, routing: Routing, w: dict, num_experts: int, cap: in
     layout = strategy.layout
     run = functools.partial(_local, num_experts=num_experts, cap=cap, llama=llama, groups=layout.mesh.shape[AXIS])
     context = jax.sharding.get_abstract_mesh()
+    if not context.empty and AXIS in context.manual_axes:  # in the layer's map (parallel.fsdp): w are this
+        return run(x_BLD, slots, weights, w)               # device's experts, gathered over fsdp already
     here = layout.inside(*(() if context.empty else context.manual_axes))  # axes still to split here
     batch = _entries(here.spec(("batch",)), 1)[0]  # the batch axes: manual inside, with `expert`
     specs, placed = {}, {}

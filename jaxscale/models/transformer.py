@@ -11,7 +11,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from jaxscale.models.attention import Placement, document_positions, resolve_impl
@@ -19,14 +18,16 @@ from jaxscale.models.layers import AXES_KEY, INNER, RESIDUAL, Attention, GeluMLP
 from jaxscale.models.moe import STATS, MoE, MoESpec
 from jaxscale.models.precision import compute_dtype
 from jaxscale.models.strategy import Strategy
+from jaxscale.models.vocab import Table, cross_entropy, embed
 from jaxscale.names import UNROLL_UP_TO
-from jaxscale.parallel import context, executor, pipeline
+from jaxscale.parallel import context, executor, fsdp, pipeline
 from jaxscale.sharding import Layout, constrain
 
 REMAT_POLICIES = {
     "full": None,  # save nothing inside a layer: recompute it all in the backward pass
     "dots_saveable": jax.checkpoint_policies.dots_saveable,  # keep matmul outputs, recompute the rest
 }
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,24 +47,32 @@ class ModelSpec:
     norm_eps: float = 1e-5
     init_std: float = 0.02
     remat: str = "none"
+    head_chunk_mib: float = 256.0     # the training loss's logits per chunk of the vocabulary (models.vocab)
     scan_layers: bool = True          # False: the layers as straight-line code (resolve_layer_loop)
     cpu_matmul: bool = False          # projections with XLA:CPU's fast backward (models.matmul; one CPU device)
     attention_impl: str = "xla"       # a concrete kernel: xla | cudnn | splash (see models.attention.resolve_impl)
     attention_block: int = 512        # the blockwise kernel's tile edge (model.attention.block_size)
     moe: MoESpec = MoESpec()          # mixture of experts (moe.num_experts 0: every MLP dense)
     strategy: Strategy = Strategy()   # how the forward splits over devices (default: one program)
+    weights: fsdp.Weights = fsdp.Weights()  # compute and gradient-reduction dtypes of the weights
 
     @classmethod
     def from_config(cls, model_cfg, attention_impl: str = "xla", strategy: Strategy = Strategy(),
-                    scan_layers: bool = True, cpu_matmul: bool = False) -> ModelSpec:
-        names = {f.name for f in dataclasses.fields(cls)} - {"moe", "strategy", "scan_layers", "cpu_matmul"}
+                    scan_layers: bool = True, cpu_matmul: bool = False,
+                    weights: fsdp.Weights = fsdp.Weights()) -> ModelSpec:
+        names = {f.name for f in dataclasses.fields(cls)} - {"moe", "strategy", "scan_layers", "cpu_matmul", "weights"}
         values = {k: v for k, v in model_cfg.items() if k in names}
         if "moe" in model_cfg:
             values["moe"] = MoESpec(**model_cfg.moe.to_dict())
         if "attention" in model_cfg:
             values["attention_block"] = model_cfg.attention.block_size
         return cls(**values, attention_impl=attention_impl, strategy=strategy, scan_layers=scan_layers,
-                   cpu_matmul=cpu_matmul)
+                   cpu_matmul=cpu_matmul, weights=weights)
+
+    @property
+    def dtype(self):
+        """The compute dtype: weights are cast to it where they are used (parameters stay as given)."""
+        return jnp.dtype(self.weights.compute)
 
 
 def _norm(spec: ModelSpec):
@@ -140,14 +149,12 @@ class Transformer(nnx.Module):
         parallel under an active layout). With one (stacked {'k', 'v'}: [layers, B, S, K, E]):
         decoding, the tokens at consecutive positions attend to everything cached before them.
         """
-        # Vocab-parallel lookup: the table stays split over vocab (tensor) and each device looks
-        # up the rows it holds; the partial rows are summed. Only its embed split (fsdp) is
-        # gathered first, as FSDP gathers any weight: left split both ways, the partitioner
-        # cannot serve batch rows split over fsdp and fully rematerialises the lookup (it warns,
-        # on fsdp x tensor and pipeline layouts). tests/test_plan.py checks the compiled step.
-        # The token ids are whole over `tensor` (INNER's split): given ids split along the length
-        # over tensor (the batch's sequence-parallel layout), the partitioner gathered the whole
-        # table instead (measured on the TPU compiler).
+        x_BLD, cache, stats = self.hidden(tokens_BL, places, cache)
+        return self.logits(x_BLD), cache, stats
+
+    def hidden(self, tokens_BL, places: Placement, cache=None):
+        """(the last layer's output x_BLD, before the final norm; the cache; the router
+        statistics), as __call__ says."""
         x_BLD = self.embed_tokens(tokens_BL, places)
         stats = {}
         if self.spec.moe.num_experts:
@@ -156,33 +163,45 @@ class Transformer(nnx.Module):
             x_BLD = self._scan_layers(x_BLD, places)
         else:
             x_BLD, cache = self._scan_cached(x_BLD, places, cache)
-        return self.logits(x_BLD), cache, stats
+        return x_BLD, cache, stats
 
     def embed_tokens(self, tokens_BL, places: Placement):
-        """The residual stream's start: token embeddings (and learned positions, gpt2)."""
-        tokens_BL = constrain(tokens_BL, INNER[:2])
-        x_BLD = constrain(jnp.take(constrain(self.embed[...], ("vocab", None)), tokens_BL, axis=0), INNER)
+        """The residual stream's start: token embeddings (and learned positions, gpt2), looked up
+        where the table is stored (models.vocab: nothing gathers the table)."""
+        tables = [(Table(self.embed[...], ("vocab", "embed")), tokens_BL)]
         if self.spec.family == "gpt2":
-            x_BLD = x_BLD + jnp.take(self.pos_embed[...], places.positions, axis=0)
-        return constrain(x_BLD, RESIDUAL)
+            tables.append((Table(self.pos_embed[...], ("position", "embed")), places.positions))
+        return constrain(embed(tables, self.spec.strategy.layout, self.spec.weights), RESIDUAL)
+
+    def head_loss(self, x_BLD, targets_BL):
+        """Mean next-token cross entropy of the last layer's output x_BLD: the final norm, the
+        head and the loss in one vocabulary-parallel pass (models.vocab), no [tokens, V] logits."""
+        s = self.spec
+        head = (Table(self.embed[...], ("vocab", "embed")) if s.tie_embeddings else
+                Table(self.head[...], ("embed", "vocab"), transposed=True))
+        norm_def, norm_state = nnx.split(self.final_norm)
+        prelude = (lambda params, x: nnx.merge(norm_def, params)(x), nnx.to_pure_dict(norm_state),
+                   self._stored_dims(norm_state, stacked=False))
+        return cross_entropy(x_BLD, head, targets_BL, s.strategy.layout, s.weights, s.head_chunk_mib, prelude)
 
     def logits(self, x_BLD):
         """Float32 logits [B, L, V] of the last layer's output: final norm, then the head."""
         x_BLD = constrain(self.final_norm(x_BLD), INNER)
-        w_DV = self.embed[...].T if self.spec.tie_embeddings else self.head[...]
+        w_DV = (self.embed[...].T if self.spec.tie_embeddings else self.head[...]).astype(self.spec.dtype)
         logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, w_DV, preferred_element_type=jnp.float32)
         return constrain(logits_BLV, ("batch", "act_length", "act_vocab"))
 
     def stage_fn(self):
         """run(stacked layer params, x, places) -> x: those layers in order (a scan, or unrolled
-        when spec.scan_layers is False; remat as set)."""
-        graphdef, _ = nnx.split(self.layers)
+        when spec.scan_layers is False; remat as set), each layer's weights gathered where it
+        runs (parallel.fsdp)."""
+        graphdef, state = nnx.split(self.layers)
+        dims = self._stored_dims(state)
 
         def run_layers(params, x_BLD, places):
-            def layer(x, layer_params):
-                return nnx.merge(graphdef, layer_params)(x, places)[0], None
+            def step(x, layer_params):
+                return self._layer(graphdef, dims, layer_params, x, places, None)[0], None
 
-            step = self._remat(layer)
             if self.spec.scan_layers:
                 return jax.lax.scan(step, x_BLD, params)[0]
             for i in range(jax.tree.leaves(params)[0].shape[0]):  # each layer's slice of the stacked parameters
@@ -191,8 +210,38 @@ class Transformer(nnx.Module):
 
         return run_layers
 
+    def _run_layer(self, body, layer_params, dims, x_BLD, places):
+        """body(params, x, places) -> (x, stats) on one layer's parameters, remat as set."""
+        s = self.spec
+        return fsdp.run(body, s.strategy.layout, s.weights, layer_params, dims, x_BLD, places, self._remat)
+
+    def _layer(self, graphdef, dims, params, x_BLD, places, cache):
+        """One layer (a Block or an MoEBlock): (x_BLD, its updated cache or None, router statistics)."""
+        if cache is not None:  # decoding: one program, the weights cast here
+            out = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(self.spec.dtype), params))(x_BLD, places, cache)
+            return out if len(out) == 3 else (*out, {})
+
+        def body(layer_params, x, places):
+            out = nnx.merge(graphdef, layer_params)(x, places)
+            return out[0], out[2] if len(out) == 3 else {}
+
+        x_BLD, stats = self._run_layer(body, params, dims, x_BLD, places)
+        return x_BLD, None, stats
+
+    def _stored_dims(self, state, stacked: bool = True) -> dict | None:
+        """Where each parameter of `state` is stored (fsdp.stored); of a stack of layers, less
+        the layer dimension."""
+        layout = self.spec.strategy.layout
+        if layout is None:
+            return None
+        lead = ("layers",) if stacked else ()
+        return _unflatten({path: fsdp.stored(layout, lead + v.get_metadata()[AXES_KEY], v.shape)[len(lead):]
+                           for path, v in nnx.to_flat_state(state)})
+
     def _remat(self, layer_fn):
-        """layer_fn rematerialised in the backward pass as model.remat says (unchanged for 'none')."""
+        """layer_fn rematerialised in the backward pass as model.remat says (unchanged for 'none':
+        a layer whose weights are gathered where it runs, parallel.fsdp, then keeps them from the
+        forward for the backward; full and dots_saveable gather them again)."""
         if self.spec.remat == "none":
             return layer_fn
         return jax.checkpoint(layer_fn, policy=REMAT_POLICIES[self.spec.remat], prevent_cse=False)
@@ -200,8 +249,10 @@ class Transformer(nnx.Module):
     def _scan_layers(self, x_BLD, places):
         """The layers; under a pipeline, this is the forward-only pass (evaluation, inference):
         training runs the schedule's own executor (LanguageModel.loss)."""
-        _, stacked = nnx.split(self.layers)
+        stacked = nnx.to_pure_dict(nnx.split(self.layers)[1])
         run_layers, s = self.stage_fn(), self.spec.strategy
+        if s.pipeline != "none":  # the stages' weights cross the pipeline's map in the compute dtype
+            stacked = jax.tree.map(lambda p: p.astype(self.spec.dtype), stacked)
         if s.pipeline != "none" and s.virtual_stages > 1:
             return pipeline.circular(run_layers, stacked, x_BLD, places, s.mesh, s.microbatches, s.virtual_stages)
         if s.pipeline != "none":
@@ -213,28 +264,29 @@ class Transformer(nnx.Module):
         graphdef, stacked = nnx.split(self.layers)
 
         def layer(x, params_and_cache):
-            layer_params, layer_cache = params_and_cache
-            return nnx.merge(graphdef, layer_params)(x, places, layer_cache)
+            return self._layer(graphdef, None, params_and_cache[0], x, places, params_and_cache[1])[:2]
 
-        return jax.lax.scan(layer, x_BLD, (stacked, cache))
+        return jax.lax.scan(layer, x_BLD, (nnx.to_pure_dict(stacked), cache))
 
     def _scan_groups(self, x_BLD, places, cache=None):
         """An MoE model's layers (see MoEStacks), scanned over groups: (x_BLD, the updated cache or
         None, the router statistics averaged over the MoE layers). Remat, as set, per layer."""
         n = self.spec.moe.every_n_layers
         groups = self.spec.num_layers // n
-        moe_def, moe_params = nnx.split(self.layers.moe)
-        dense_def, dense_params = nnx.split(self.layers.dense) if n > 1 else (None, None)
-        dense_params = jax.tree.map(lambda p: p.reshape(groups, n - 1, *p.shape[1:]), dense_params)
+        moe_def, moe_state = nnx.split(self.layers.moe)
+        dense_def, dense_state = nnx.split(self.layers.dense) if n > 1 else (None, None)
+        moe_params, moe_dims = nnx.to_pure_dict(moe_state), self._stored_dims(moe_state)
+        dense_params = jax.tree.map(lambda p: p.reshape(groups, n - 1, *p.shape[1:]),
+                                    nnx.to_pure_dict(dense_state) if n > 1 else None)
+        dense_dims = self._stored_dims(dense_state) if n > 1 else None
         caches = jax.tree.map(lambda c: c.reshape(groups, n, *c.shape[1:]), cache)
 
         def dense_layer(x, params_and_cache):
-            return nnx.merge(dense_def, params_and_cache[0])(x, places, params_and_cache[1])
+            x, layer_cache, _ = self._layer(dense_def, dense_dims, params_and_cache[0], x, places, params_and_cache[1])
+            return x, layer_cache
 
         def moe_layer(x, params, layer_cache):
-            return nnx.merge(moe_def, params)(x, places, layer_cache)
-
-        dense_layer, moe_layer = self._remat(dense_layer), self._remat(moe_layer)
+            return self._layer(moe_def, moe_dims, params, x, places, layer_cache)
 
         def group(carry, xs):
             x, totals = carry
@@ -313,9 +365,14 @@ class LanguageModel:
         if self.spec.strategy.pipeline != "none" and self.spec.strategy.context == "none":
             loss = self._pipelined_loss(params, inputs_BL, targets_BL, places)
             return loss, {"loss": loss}
-        logits_BLV, stats = self._forward(params, inputs_BL, places)
-        loss = _cross_entropy(logits_BLV, targets_BL)
+        loss, stats = self._loss(params, inputs_BL, targets_BL, places)
         return (loss + self.router_loss(stats) if stats else loss), {"loss": loss, **stats}
+
+    def _loss(self, params: dict, inputs_BL, targets_BL, places: Placement):
+        """(mean cross entropy, router statistics) of the tokens as laid out."""
+        model = nnx.merge(self.graphdef, params)
+        x_BLD, _, stats = model.hidden(inputs_BL, places)
+        return model.head_loss(x_BLD, targets_BL), stats
 
     def _pipelined_loss(self, params: dict, inputs_BL, targets_BL, places: Placement):
         """The mean loss as the pipeline schedule's executor computes it (forward and backward
@@ -325,6 +382,7 @@ class LanguageModel:
         executor's stages take different branches at a tick, and the ring's collective
         permutes inside them deadlocked XLA:CPU, whose permutes meet across all devices."""
         s = self.spec.strategy
+        params = jax.tree.map(lambda p: p.astype(self.spec.dtype), params)  # the executor's map gathers them
         outer = {name: value for name, value in params.items() if name != "layers"}
 
         def model(outer):  # the layers' values are not read: their shapes stand in
@@ -334,10 +392,10 @@ class LanguageModel:
             return model(outer).embed_tokens(tokens_BL, places)
 
         def head_loss(outer, x_BLD, targets_BL):
-            return _cross_entropy(model(outer).logits(x_BLD), targets_BL)
+            return model(outer).head_loss(x_BLD, targets_BL)
 
         def primal(stacked, outer, tokens_BL, targets_BL, places):
-            return _cross_entropy(self._forward({**outer, "layers": stacked}, tokens_BL, places)[0], targets_BL)
+            return self._loss({**outer, "layers": stacked}, tokens_BL, targets_BL, places)[0]
 
         fns = (embed, model(outer).stage_fn(), head_loss, lambda x_BLD: constrain(x_BLD, RESIDUAL))
         loss = executor.pipelined_loss(s.table(), fns, primal, s.mesh)
@@ -394,14 +452,6 @@ class LanguageModel:
         return nnx.merge(self.graphdef, params)(tokens_BL, Placement(positions_BL), cache)[:2]
 
 
-def _cross_entropy(logits_BLV, targets_BL):
-    """Mean next-token cross entropy. Targets placed as the logits' rows (whole over `tensor`,
-    as the lookup's ids), so picking each target's logit stays local to the vocabulary split
-    that holds it."""
-    targets_BL = constrain(targets_BL, INNER[:2])
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL).mean()
-
-
 def _unflatten(flat: dict) -> dict:
     tree: dict = {}
     for path, value in flat.items():
@@ -425,7 +475,10 @@ def model_from_config(config, platform: str, layout: Layout | None = None) -> tu
         schedule_file=config.pipeline.schedule_file)
     one_cpu = _one_cpu_device(platform, layout)
     cpu_matmul = m.projections == "cpu" or (m.projections == "auto" and one_cpu)
-    spec = ModelSpec.from_config(m, impl, strategy, resolve_layer_loop(m, one_cpu), cpu_matmul=cpu_matmul)
+    compiler = platform if layout is None else layout.mesh.devices.flat[0].platform  # CPU devices stand in for GPUs
+    weights = fsdp.Weights.of(compute_dtype(m.dtype, platform), config.optim.grad_reduce_dtype or None, compiler)
+    spec = ModelSpec.from_config(m, impl, strategy, resolve_layer_loop(m, one_cpu), cpu_matmul=cpu_matmul,
+                                 weights=weights)
     return LanguageModel(spec), [note] if note else []
 
 

@@ -1,0 +1,323 @@
+"""The two ends of the vocabulary, split over devices: the token embedding's lookup, and the
+output head with its cross entropy. In training neither holds the whole [V, D] table, nor the
+head the whole [tokens, V] logits, on any device.
+
+Both run in shard_map over every mesh axis not manual already. The table is stored split along
+D over `fsdp` (and `data` under ZeRO-3) and along V over `tensor` (the `vocab` rule):
+
+- lookup (`embed`): each device gathers the token ids of the devices that share its rows' D
+  split (all-gather over the axes splitting D; they split the batch too), looks up the rows it
+  holds: its slice of D, of its slice of V, other ids masked to zero. The rows are summed over
+  the V split (vocab-parallel, as Megatron's) and one all-to-all over the D split gives every
+  device its own tokens' whole rows. The gradient goes back the same way and is scatter-added
+  into the device's own slice: the table is never gathered, nor its gradient reduced, over D.
+- head and loss (`cross_entropy`): over chunks of the device's slice of the vocabulary
+  (`model.head_chunk_mib` of float32 logits each), each chunk of the weight is gathered over
+  the D split in the compute dtype and multiplied by the device's tokens; a running maximum,
+  sum of exponentials and target logit per token (online softmax) are combined over the V split
+  at the end. The backward recomputes each chunk's logits (with one chunk, their probabilities
+  are kept instead), runs its two matmuls in the compute dtype, and reduce-scatters the chunk's
+  weight gradient straight into the shards.
+
+Without a layout (one program; `Strategy()`) both are the plain lookup and head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxscale.parallel import current_mesh, fsdp, rings
+from jaxscale.parallel.fsdp import Entries, Weights
+
+RESIDUAL = ("batch", "length", "act_embed")
+IDS = ("batch", "act_length")  # token ids and targets: whole over `tensor`, as the rows they pick
+MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """A [V, D] table (or the [D, V] head when `transposed`) with its logical names."""
+
+    value: jax.Array
+    names: tuple[str, ...]
+    transposed: bool = False
+
+    def stored(self, layout) -> Entries:
+        """(V axes, D axes) the table is stored split over."""
+        dims = fsdp.stored(layout, self.names, self.value.shape)
+        return dims[::-1] if self.transposed else dims
+
+
+def _index(axes: tuple[str, ...]):
+    """This device's place along `axes` (the first the slowest), inside shard_map."""
+    index = 0
+    for axis in axes:
+        index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
+    return index
+
+
+def _spec_axes(spec: P, dim: int) -> tuple[str, ...]:
+    return fsdp.entries(spec, dim + 1)[dim]
+
+
+def _map(layout):
+    """(the mesh axes not manual here, the layout as seen inside a map over them)."""
+    free = fsdp.free_axes(layout.mesh)
+    return free, layout.inside(*(a for a in layout.mesh.axis_names if a not in free))
+
+
+def _mapped(local, layout, in_specs, out_specs, check_vma: bool = False):
+    """local in shard_map over the mesh axes its specs name (each device its own blocks), or
+    called as it is where they name none. Jitted, so that it also runs outside jit."""
+    axes = {a for spec in jax.tree.leaves((in_specs, out_specs), is_leaf=lambda x: isinstance(x, P))
+            for dims in fsdp.entries(spec, len(spec)) for a in dims}
+    if not axes:
+        return local
+    return jax.jit(jax.shard_map(local, mesh=current_mesh(layout.mesh), in_specs=in_specs, out_specs=out_specs,
+                                 axis_names=axes, check_vma=check_vma))
+
+
+def _local_rows(table_VD, ids, v_axes):
+    """float32 rows of this device's block of the table at `ids` (global ids), zero for ids
+    outside its block of V (split over v_axes)."""
+    rows = table_VD.shape[0]
+    table = table_VD.astype(jnp.float32)
+    if not v_axes:
+        return jnp.take(table, ids, axis=0)
+    local = ids - _index(v_axes) * rows
+    inside = (local >= 0) & (local < rows)
+    return jnp.where(inside[..., None], jnp.take(table, jnp.where(inside, local, 0), axis=0), 0.0)
+
+
+def _gather_dims(x, dims: Entries):
+    for dim, axes in enumerate(dims):
+        if axes:
+            x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+    return x
+
+
+def embed(tables: list[tuple[Table, jax.Array]], layout, weights: Weights):
+    """x_BLD in the compute dtype: the sum of each table's rows at its ids [B, L] (the token
+    table's at the tokens; gpt2's learned positions at the positions), placed as the residual
+    stream. The first table is the vocabulary's (split over V as `vocab` says); the others are
+    looked up whole over V."""
+    compute = weights.compute
+    if layout is None:
+        return sum(jnp.take(t.value.astype(compute), ids, axis=0) for t, ids in tables)
+    axes, here = _map(layout)
+    ids_spec, out_spec = here.spec(IDS), here.spec(RESIDUAL)
+    vary = set(_spec_axes(ids_spec, 0)) | set(_spec_axes(ids_spec, 1))  # axes the ids differ over
+    stored = [fsdp.keep(t.stored(layout), axes) for t, _ in tables]
+    exchange = tuple(a for a in stored[0][1] if a in vary)  # the D split the rows travel over
+    scatter = tuple(a for a in _spec_axes(out_spec, 1) if a not in _spec_axes(ids_spec, 1))  # sequence parallel
+
+    def local(*args):
+        blocks, id_blocks = args[::2], args[1::2]
+        parts = []
+        for i, (block, dims, ids) in enumerate(zip(blocks, stored, id_blocks)):
+            v_axes, d_axes = dims
+            # Whole over what the ids vary over along V, and over what they do not along D.
+            block = _gather_dims(block, ((tuple(a for a in v_axes if a in vary)),
+                                         tuple(a for a in d_axes if a not in exchange)))
+            v_axes = tuple(a for a in v_axes if a not in vary) if i == 0 else ()
+            ids = jax.lax.all_gather(ids, exchange, axis=0, tiled=True) if exchange else ids
+            rows = _local_rows(block, ids, v_axes).astype(weights.reduce)
+            parts.append(_sum_over(rows, v_axes, scatter))
+        x = sum(parts)
+        if exchange:
+            x = jax.lax.all_to_all(x, exchange, 0, 2, tiled=True)
+        return x.astype(compute)
+
+    args, specs = [], []
+    for (table, ids), dims in zip(tables, stored):
+        args += [table.value.astype(weights.reduce), ids]
+        specs += [fsdp.to_spec(dims[::-1] if table.transposed else dims), ids_spec]
+    return _mapped(local, layout, tuple(specs), out_spec, check_vma=True)(*args)
+
+
+def _sum_over(rows, v_axes, scatter):
+    """Rows [b, l, D] summed over the V split; with sequence parallelism (the output's length
+    split over `scatter` too) each device keeps its slice of the length: reduce-scattered where
+    the V split is over those axes, sliced where it is not."""
+    scattered = tuple(a for a in scatter if a in v_axes)
+    summed = tuple(a for a in v_axes if a not in scattered)
+    if summed:
+        rows = jax.lax.psum(rows, summed)
+    if scattered:
+        rows = jax.lax.psum_scatter(rows, scattered, scatter_dimension=1, tiled=True)
+    sliced = tuple(a for a in scatter if a not in scattered)
+    if sliced:
+        size = rows.shape[1] // math.prod(jax.lax.axis_size(a) for a in sliced)
+        rows = jax.lax.dynamic_slice_in_dim(rows, _index(sliced) * size, size, axis=1)
+    return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class _Head:
+    """The static part of the chunked head inside the map."""
+
+    d_axes: tuple[str, ...]   # the weight's D split: gathered for each chunk
+    v_axes: tuple[str, ...]   # the vocabulary split: log-sum-exps combined over it
+    columns: int              # this device's vocabulary columns
+    chunk: int                # columns per chunk
+    chunks: int
+    compute: str
+    reduce: str
+    plan: rings.Stages = ()   # the weight gradient's reduce-scatter over d_axes, in stages
+
+
+def chunk_columns(tokens: int, columns: int, mib: float, split: bool = False) -> int:
+    """Vocabulary columns per chunk so that a chunk's float32 logits of `tokens` rows take at
+    most `mib` MiB (0: one chunk), a multiple of 128 where it splits; at least two chunks when
+    the weight is `split` along D, so that no device gathers the whole of it."""
+    fit = columns if mib <= 0 else max(128, int(mib * MIB // (4 * max(tokens, 1))) // 128 * 128)
+    if split and columns > 1:
+        fit = min(fit, -(-columns // 2))
+    return min(columns, fit)
+
+
+def _chunk_weight(w_DV, c, head: _Head):
+    """Chunk c of the weight in the compute dtype, gathered over the D split: [D, chunk]."""
+    w_chunk = jax.lax.dynamic_slice_in_dim(w_DV, c * head.chunk, head.chunk, axis=1).astype(head.compute)
+    return jax.lax.all_gather(w_chunk, head.d_axes, axis=0, tiled=True) if head.d_axes else w_chunk
+
+
+def _chunk_logits(x_TD, w_chunk, c, head: _Head):
+    """(float32 logits [T, chunk] of chunk c, the padding columns at -inf; their local column numbers)."""
+    logits = jnp.einsum("TD,DV->TV", x_TD, w_chunk, preferred_element_type=jnp.float32)
+    columns = c * head.chunk + jnp.arange(head.chunk)
+    return jnp.where(columns < head.columns, logits, -jnp.inf), columns
+
+
+def _targets_local(targets_T, head: _Head):
+    """The targets as this device's local column numbers (out of range where another device holds them)."""
+    return targets_T - _index(head.v_axes) * head.columns if head.v_axes else targets_T
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _cross_entropy_sum(x_TD, w_DV, targets_T, head: _Head):
+    """Sum over this device's tokens of log-sum-exp(x @ W) - (x @ W)[target], the vocabulary
+    split over head.v_axes and W's rows over head.d_axes."""
+    return _forward(x_TD, w_DV, targets_T, head)[0]
+
+
+def _forward(x_TD, w_DV, targets_T, head: _Head):
+    """(the sum, each token's log-sum-exp, the probabilities when there is one chunk)."""
+    targets = _targets_local(targets_T, head)
+
+    def step(carry, c):
+        top, total, picked = carry
+        logits, columns = _chunk_logits(x_TD, _chunk_weight(w_DV, c, head), c, head)
+        new_top = jnp.maximum(top, logits.max(-1))
+        total = total * jnp.exp(top - new_top) + jnp.exp(logits - new_top[:, None]).sum(-1)
+        picked = picked + jnp.where(columns[None] == targets[:, None], logits, 0.0).sum(-1)
+        return (new_top, total, picked), logits if head.chunks == 1 else None
+
+    T = x_TD.shape[0]
+    start = (jnp.full((T,), -jnp.inf), jnp.zeros((T,)), jnp.zeros((T,)))
+    (top, total, picked), logits = jax.lax.scan(step, start, jnp.arange(head.chunks))
+    if head.v_axes:
+        overall = jax.lax.pmax(top, head.v_axes)
+        total = jax.lax.psum(total * jnp.exp(top - overall), head.v_axes)
+        picked, top = jax.lax.psum(picked, head.v_axes), overall
+    lse = top + jnp.log(total)
+    probs = jnp.exp(logits[0] - lse[:, None]) if head.chunks == 1 else None
+    return jnp.sum(lse - picked), lse, probs
+
+
+def _fwd(x_TD, w_DV, targets_T, head):
+    value, lse, probs = _forward(x_TD, w_DV, targets_T, head)
+    return value, (x_TD, w_DV, targets_T, lse, probs)
+
+
+def _bwd(head, residuals, g):
+    # Inside shard_map without replication checks each device's cotangent is its part of the
+    # whole, and the transposes of collectives sum the parts: the sum's cotangent is summed over
+    # the vocabulary split (the transpose of the forward's psum), while x's stays this device's
+    # part (the map sums it over the vocabulary split, where x enters whole).
+    x_TD, w_DV, targets_T, lse, probs = residuals
+    targets = _targets_local(targets_T, head)
+    if head.v_axes:
+        g = jax.lax.psum(g, head.v_axes)
+
+    def step(carry, c):
+        dx, dw = carry
+        w_chunk = _chunk_weight(w_DV, c, head)
+        if probs is None:
+            logits, columns = _chunk_logits(x_TD, w_chunk, c, head)
+            p = jnp.exp(logits - lse[:, None])
+        else:
+            p, columns = probs, c * head.chunk + jnp.arange(head.chunk)
+        d_logits = ((p - (columns[None] == targets[:, None])) * g).astype(head.compute)
+        dx = dx + jnp.einsum("TV,DV->TD", d_logits, w_chunk, preferred_element_type=jnp.float32)
+        d_chunk = jnp.einsum("TD,TV->DV", x_TD, d_logits, preferred_element_type=jnp.float32).astype(head.reduce)
+        if head.d_axes:
+            d_chunk = rings.reduce_scatter(d_chunk, head.d_axes, 0, head.plan)
+        return (dx, jax.lax.dynamic_update_slice_in_dim(dw, d_chunk, c * head.chunk, axis=1)), None
+
+    start = (jnp.zeros(x_TD.shape, jnp.float32), jnp.zeros(w_DV.shape, head.reduce))
+    (dx, dw), _ = jax.lax.scan(step, start, jnp.arange(head.chunks))
+    return dx.astype(x_TD.dtype), dw.astype(w_DV.dtype), None
+
+
+_cross_entropy_sum.defvjp(_fwd, _bwd)
+
+
+def _local_loss(x_BLD, w_DV, targets_BL, d_axes, v_axes, columns, weights: Weights, chunk_mib: float,
+                plan: rings.Stages = ()):
+    """The sum of this device's tokens' cross entropies: its weight block [D/|d_axes|, V/|v_axes|]
+    padded to whole chunks."""
+    B, L, D = x_BLD.shape
+    chunk = chunk_columns(B * L, columns, chunk_mib, bool(d_axes))
+    chunks = -(-columns // chunk)
+    w_DV = jnp.pad(w_DV, ((0, 0), (0, chunks * chunk - columns)))
+    head = _Head(d_axes, v_axes, columns, chunk, chunks, weights.compute, weights.reduce, plan)
+    return _cross_entropy_sum(x_BLD.reshape(B * L, D).astype(weights.compute), w_DV, targets_BL.reshape(-1), head)
+
+
+def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chunk_mib: float, prelude=None):
+    """Mean next-token cross entropy of the logits x @ head over the vocabulary (float32
+    throughout, logits in chunks). x_BLD is placed as the residual stream; prelude(x) -> x, if
+    given, runs on it first (the final norm: inside the map, so its weights are gathered here)
+    and is (fn, params, stored dims of params)."""
+    if layout is None:
+        x_BLD = prelude[0](prelude[1], x_BLD) if prelude else x_BLD
+        w_DV = head.value.T if not head.transposed else head.value
+        return _local_loss(x_BLD, w_DV, targets_BL, (), (), w_DV.shape[1], weights, chunk_mib) / targets_BL.size
+    axes, here = _map(layout)
+    x_spec, ids_spec = here.spec(RESIDUAL), here.spec(IDS)
+    gather_length = tuple(a for a in _spec_axes(x_spec, 1) if a not in _spec_axes(ids_spec, 1))
+    rows = set(_spec_axes(ids_spec, 0)) | set(_spec_axes(ids_spec, 1))  # axes the tokens differ over
+    v_all, d_axes = fsdp.keep(head.stored(layout), axes)
+    v_gather = tuple(a for a in v_all if a in rows)
+    v_axes = tuple(a for a in v_all if a not in rows)
+    vocab = head.value.shape[1 if head.transposed else 0]
+    columns = vocab // math.prod(layout.mesh.shape[a] for a in v_axes)
+    fn, params, dims = prelude or (None, {}, {})
+
+    def local(x_BLD, w, targets_BL, params):
+        if fn is not None:
+            x_BLD = fn(jax.tree.map(lambda p, d: fsdp.gather(p, fsdp.keep(d, axes), weights.compute), params, dims),
+                       x_BLD)
+        if gather_length:
+            x_BLD = jax.lax.all_gather(x_BLD, gather_length, axis=1, tiled=True)
+        w_DV = w if head.transposed else w.T
+        if v_gather:
+            w_DV = jax.lax.all_gather(w_DV, v_gather, axis=1, tiled=True)
+        total = _local_loss(x_BLD, w_DV, targets_BL, d_axes, v_axes, columns, weights, chunk_mib,
+                            rings.stages(layout.mesh, d_axes))
+        count = targets_BL.size * math.prod(jax.lax.axis_size(a) for a in rows)
+        return jax.lax.psum(total, tuple(sorted(rows))) / count if rows else total / count
+
+    w_dims = fsdp.keep(head.stored(layout), axes)
+    w_spec = fsdp.to_spec(w_dims[::-1] if head.transposed else w_dims)
+    p_specs = jax.tree.map(lambda _, d: fsdp.to_spec(fsdp.keep(d, axes)), params, dims)
+    inward = jax.tree.map(lambda p: p.astype(weights.reduce), (head.value, params))
+    return _mapped(local, layout, (x_spec, w_spec, ids_spec, p_specs), P())(x_BLD, inward[0], targets_BL, inward[1])
+

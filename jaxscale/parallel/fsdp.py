@@ -1,0 +1,179 @@
+"""FSDP and ZeRO-3 written out: weights gathered where they are used, gradients reduce-scattered.
+
+A layer (and the embedding and the head, `models.vocab`) runs in shard_map over the batch's
+leading mesh axes that can split weights, `data` and `fsdp` (`map_axes`). Inside, each device
+holds its own rows and gathers each weight it uses from its shards, in the compute dtype, with
+one all-gather over the axes that split it (`gather`); the transpose of that gather is the
+gradient's reduce-scatter back into the shards. A weight whole over `data` (ZeRO 0-2) enters the
+map whole, and its gradient is summed over `data` at the map's edge, once per layer.
+
+Weights cross the map's edge in the reduce dtype (`Weights.reduce`): the compute dtype unless
+`optim.grad_reduce_dtype=float32` asks for float32, so by default the all-gathers and the
+gradients' reduce-scatters and all-reduces move bfloat16 when the compute is bfloat16.
+
+Left to the partitioner, the gather of a weight indexed out of the stacked layers inside the
+layer loop came out of the TPU compiler as an all-reduce of a zero-filled buffer at 128-way
+fsdp (twice an all-gather's bytes), and the gradients as whole all-reduces; written out, each
+is the collective it is meant to be on every compiler, XLA:CPU's reduce-scatter included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxscale import sharding
+from jaxscale.parallel import current_mesh, rings
+
+WEIGHT_AXES = ("data", "fsdp")  # batch axes that may split weights for storage (ZeRO-3, FSDP)
+Entries = tuple[tuple[str, ...], ...]  # a PartitionSpec as one tuple of mesh axes per dimension
+
+
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """How a model's weights are used: cast to `compute` where they are used, their gradients
+    reduced across devices in `reduce` (which is also the dtype they cross a map's edge in)."""
+
+    compute: str = "float32"
+    reduce: str = "float32"
+
+    @classmethod
+    def of(cls, compute, reduce=None, compiler: str = "") -> Weights:
+        """`reduce` None: the compute dtype. For XLA:CPU (`compiler` "cpu") a bfloat16 reduction
+        is float32: its all-reduce promotion aborts the process on one in a manual region."""
+        compute = jnp.dtype(compute)
+        reduce = jnp.dtype(reduce or compute)
+        if compiler == "cpu" and reduce == jnp.bfloat16:
+            reduce = jnp.dtype(jnp.float32)
+        return cls(compute.name, reduce.name)
+
+
+def entries(spec: P, ndim: int) -> Entries:
+    """A PartitionSpec as one tuple of mesh axes per dimension."""
+    padded = list(spec) + [None] * (ndim - len(spec))
+    return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in padded)
+
+
+def to_spec(dims: Entries) -> P:
+    return P(*[None if not e else e[0] if len(e) == 1 else e for e in dims])
+
+
+def keep(dims: Entries, axes) -> Entries:
+    """`dims` with only the mesh axes in `axes`."""
+    return tuple(tuple(a for a in e if a in axes) for e in dims)
+
+
+def free_axes(mesh) -> set[str]:
+    """The mesh axes not manual here (inside shard_map some are)."""
+    mesh = current_mesh(mesh)
+    return set(mesh.axis_names) - set(getattr(mesh, "manual_axes", ()))
+
+
+def map_axes(layout: sharding.Layout | None) -> tuple[str, ...]:
+    """The axes a layer's map makes manual here: every axis the batch is split over (data, fsdp,
+    expert) that is not manual already, in the batch's order; none where none of them can split
+    weights. All of them, because a manual axis after an automatic one on the same dimension
+    makes the partitioner move the rows (measured: an all-gather and a permute of the
+    activations over `data`), and a weight whole over several of them then has its gradient
+    summed over all of them at once."""
+    if layout is None:
+        return ()
+    free = free_axes(layout.mesh)
+    axes = tuple(a for a in entries(layout.spec(("batch",)), 1)[0] if a in free)
+    return axes if set(axes) & set(WEIGHT_AXES) else ()
+
+
+def _gather_fwd(x, dims: Entries, compute: str):
+    y = x.astype(compute)
+    for dim, axes in enumerate(dims):
+        if axes:
+            y = jax.lax.all_gather(y, axes, axis=dim, tiled=True)
+    return y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gather(x, dims: Entries, compute: str, plans: tuple[rings.Stages, ...] = ()):
+    """x, a weight's shard inside a map, whole over the manual axes `dims` names, cast to
+    `compute` first (so the all-gather moves the compute dtype). The gradient comes back in
+    x's dtype: cast, then reduce-scattered into x's shard (each dimension's in the stages of
+    `plans`, see parallel.rings)."""
+    return _gather_fwd(x, dims, compute)
+
+
+def _fwd(x, dims, compute, plans):
+    return _gather_fwd(x, dims, compute), jnp.zeros((), x.dtype)
+
+
+def _bwd(dims, compute, plans, dtype_of_x, g):
+    g = g.astype(dtype_of_x.dtype)
+    for dim, axes in reversed(list(enumerate(dims))):
+        if axes:
+            g = rings.reduce_scatter(g, axes, dim, plans[dim] if plans else ())
+    return (g,)
+
+
+gather.defvjp(_fwd, _bwd)
+
+
+def gather_plans(mesh, dims: Entries) -> tuple[rings.Stages, ...]:
+    """Each dimension's reduce-scatter stages (parallel.rings) for `gather`."""
+    return tuple(rings.stages(mesh, axes) for axes in dims)
+
+
+def _whole(x, dims: Entries, axes: tuple[str, ...], compute: str, mesh):
+    """x (a weight's shard stored as `dims` say) whole over the map's `axes`, in the compute dtype.
+    Its splits over other axes (tensor) stay: the gather runs in a map over them too, because in a
+    partly manual region XLA gathers an operand's automatic dimensions before a collective
+    (measured: every weight all-gathered over `tensor` under fsdp x tensor)."""
+    gathered = keep(dims, tuple(a for a in axes if a in WEIGHT_AXES))
+    if not any(gathered):
+        return x.astype(compute)
+    plans = gather_plans(mesh, gathered)
+
+    def whole(x):
+        return gather(x, gathered, compute, plans)
+
+    free = free_axes(mesh)
+    rest = tuple(tuple(a for a in e if a in free and mesh.shape[a] > 1) for e in dims)
+    if not any(rest):
+        return whole(x)
+    spec = to_spec(rest)
+    return jax.shard_map(whole, mesh=current_mesh(mesh), in_specs=spec, out_specs=spec,
+                         axis_names={a for e in rest for a in e}, check_vma=False)(x)
+
+
+def stored(layout: sharding.Layout, names: tuple[str, ...], shape: tuple[int, ...]) -> Entries:
+    """Where a parameter with these logical names and (whole) shape is stored: as the state
+    places it (`sharding.param_spec`, ZeRO-3 included)."""
+    spec = sharding.param_spec(layout, names, shape, layout.zero_stage >= 3)
+    return entries(spec, len(shape))
+
+
+def run(fn, layout: sharding.Layout | None, weights: Weights, params, dims, x_BLD, places,
+        remat=lambda f: f):
+    """fn(params, x_BLD, places) -> (y_BLD, stats) with `params` whole over the map's axes in the
+    compute dtype: in shard_map over `map_axes` (each device its rows of x and of `places`, a
+    pytree of [B, ...] arrays; stats, scalar means over its rows, averaged over the map), or
+    directly where there is no such axis. `dims` gives each parameter's stored split (`stored`).
+    `remat` wraps the gathers with fn: a rematerialised layer gathers its weights again in the
+    backward pass (FSDP's reshard after forward), an unrematerialised one keeps them."""
+    axes = map_axes(layout)
+
+    def use(params, x_BLD, places):
+        if not axes:
+            return fn(jax.tree.map(lambda p: p.astype(weights.compute), params), x_BLD, places)
+        whole = jax.tree.map(lambda p, d: _whole(p, d, axes, weights.compute, layout.mesh), params, dims)
+        y_BLD, stats = fn(whole, x_BLD, places)
+        return y_BLD, jax.tree.map(lambda s: jax.lax.pmean(s, axes), stats)
+
+    inward = jax.tree.map(lambda p: p.astype(weights.reduce), params)
+    if not axes:
+        return remat(use)(inward, x_BLD, places)
+    specs = jax.tree.map(lambda _, d: to_spec(keep(d, axes)), params, dims)
+    batch = P(axes)
+    return jax.shard_map(remat(use), mesh=current_mesh(layout.mesh), in_specs=(specs, batch, batch),
+                         out_specs=(batch, P()), axis_names=set(axes), check_vma=False)(inward, x_BLD, places)
