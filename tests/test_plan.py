@@ -153,7 +153,6 @@ def test_zero_stages_move_collectives(plans):
 # - tensor: it reduces the q, k, v (and gate, up) input gradients one by one, not their sum:
 #   7 all-reduces of A a layer where Megatron has 4 (2 forward, 2 backward);
 # - the tied table's two gradient terms (the lookup's, the head's) are summed over `data` apart (+T).
-#   (Under `sequence` too: the table's gradient is summed over data and sequence at once, twice.)
 L4 = 4 * 2 + 2   # tensor collectives of A, tiny.py's 2 layers: 4 a layer, the lookup's and the head's
 L7 = 7 * 2 + 2   # the same on XLA:CPU (see above)
 COLLECTIVES_SPEC = {
@@ -184,18 +183,14 @@ COLLECTIVES_SPEC = {
                    ("reduce-scatter", "tensor"): lambda s: 2 * 3 / 4 * s.a,
                    ("all-reduce", "data"): lambda s: 2 * 1 / 2 * (s.w + s.t) / 4},
     # Ring: keys and values pass 3 hops a layer forward and again in the backward's second ring
-    # pass, their dK and dV sums 4 hops behind them (the last one home). The layers' gradients are
-    # summed over sequence, then data; the table's over both at once.
+    # pass, their dK and dV sums 4 hops behind them (the last one home). Each layer maps over the
+    # rows and the length (parallel.fsdp): its gradients are summed over data and sequence at once.
     "sequence4_ring": {("collective-permute", "sequence"): lambda s: 2 * (3 + 3 + 4) * 2 * s.kv,
-                       ("all-reduce", "sequence"): lambda s: 2 * 3 / 4 * (s.w - s.t),
-                       ("all-reduce", "data"): lambda s: 2 * 1 / 2 * (s.w - s.t),
-                       ("all-reduce", "data+sequence"): lambda s: 2 * 2 * 7 / 8 * s.t},  # both terms
+                       ("all-reduce", "data+sequence"): lambda s: 2 * 7 / 8 * (s.w + s.t)},
     # All-gather: keys and values gathered once a layer, their gradients reduce-scattered.
     "sequence4_all_gather": {("all-gather", "sequence"): lambda s: 3 / 4 * 4 * 2 * s.kv * 2,
                              ("reduce-scatter", "sequence"): lambda s: 3 * 2 * s.kv * 2,
-                             ("all-reduce", "sequence"): lambda s: 2 * 3 / 4 * (s.w - s.t),
-                             ("all-reduce", "data"): lambda s: 2 * 1 / 2 * (s.w - s.t),
-                             ("all-reduce", "data+sequence"): lambda s: 2 * 2 * 7 / 8 * s.t},
+                             ("all-reduce", "data+sequence"): lambda s: 2 * 7 / 8 * (s.w + s.t)},
     # GPipe, P=2 stages, M=4 microbatches, run by the schedule executor: each of its 2M+2(P-1)
     # ticks passes one microbatch's activations forward and one's gradients back; each stage's
     # layer gradients are summed over data once, and the embedding and head gradients (first and

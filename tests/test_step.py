@@ -29,7 +29,7 @@ def _batch(rows=32, length=32, seed=0):
 def _layout(devices=None, zero_stage=0, sequence_parallel=False, spec=SPEC, **sizes):
     config = defaults()
     config.sharding.sequence_parallel = sequence_parallel
-    config.model.num_kv_heads = spec.num_kv_heads
+    config.model.num_kv_heads, config.model.vocab_size = spec.num_kv_heads, spec.vocab_size
     mesh = make_layout(devices, **sizes).mesh
     rules, _ = rules_from_config(config, dict(mesh.shape))
     return Layout.of(mesh, rules, zero_stage)
@@ -96,6 +96,26 @@ LAYOUTS = {
 def test_every_layout_equals_one_device(reference, optim_cfg, name):
     """Loss and grad norm over 3 steps equal the 1-device run (fp32, 1e-5 relative)."""
     _assert_same(_run(_layout(**LAYOUTS[name]), 1, optim_cfg, steps=3), reference, rtol=1e-5)
+
+
+# A vocabulary of 257 splits over no axis: tensor keeps it whole (rules_from_config says so), fsdp
+# splits the table along d_model as always; tied and untied heads.
+ODD_VOCAB = {f"{head}_{name}": (ModelSpec(**{**SPEC.__dict__, "vocab_size": 257, "tie_embeddings": head == "tied"}),
+                                LAYOUTS[name])
+             for head in ("tied", "untied") for name in ("fsdp8", "data2_tensor4", "fsdp2_tensor4_sp", "zero3_data8")}
+
+
+@pytest.fixture(scope="module")
+def odd_references(optim_cfg):
+    specs = {name.split("_")[0]: spec for name, (spec, _) in ODD_VOCAB.items()}
+    return {head: _run(_layout(1, spec=spec), 1, optim_cfg, steps=2, spec=spec) for head, spec in specs.items()}
+
+
+@pytest.mark.parametrize("name", ODD_VOCAB)
+def test_a_vocabulary_that_divides_nothing_equals_one_device(optim_cfg, odd_references, name):
+    spec, sizes = ODD_VOCAB[name]
+    _assert_same(_run(_layout(spec=spec, **sizes), 1, optim_cfg, steps=2, spec=spec),
+                 odd_references[name.split("_")[0]], rtol=1e-5)
 
 
 DEEP = ModelSpec(**{**SPEC.__dict__, "num_layers": 4})

@@ -10,7 +10,7 @@ from jaxscale import cli, profile, topology
 from jaxscale import config as config_lib
 from jaxscale import plan as plan_lib
 from jaxscale.errors import ConfigError
-from sends import Sizes, assert_sends, param_groups, state_bytes, vocabulary_arrays
+from sends import Sizes, assert_sends, param_groups, sent_by_axis, state_bytes, vocabulary_arrays
 
 pytest.importorskip("libtpu", reason="compiling for TPU needs libtpu (pip install 'jaxscale[tpu]')")
 
@@ -258,3 +258,18 @@ def test_a_pod_holds_its_share_of_the_state_and_no_whole_table_or_logits(pod_fsd
     for key in ("params", "opt_state"):
         assert got[key] == pytest.approx(want[key], rel=0.01), key
     assert max(vocabulary_arrays(hlo, 16384)) <= 2048 // 32  # at most each chip's own slice of the table, [V, D/32]
+
+
+def test_gradients_are_reduced_in_float32_when_asked():
+    """optim.grad_reduce_dtype=float32: the weights are still gathered in the compute dtype
+    (bfloat16 on TPU), and their gradients reduce-scattered in float32, twice the bytes."""
+    devices, _ = topology.compile_only_devices("v5e-8")
+    sent = {}
+    for dtype in ("", "float32"):
+        config = _tpu_config("data8")
+        config_lib.apply_overrides(config, ["mesh.data=1", "mesh.fsdp=8", "model.dtype='bfloat16'",
+                                            f"optim.grad_reduce_dtype='{dtype}'"])
+        sent[dtype] = sent_by_axis(plan_lib.make_plan(config, "tpu", devices))
+    assert sent["float32"][("all-gather", "fsdp")] == pytest.approx(sent[""][("all-gather", "fsdp")], rel=0.01)
+    assert sent["float32"][("reduce-scatter", "fsdp")] == pytest.approx(2 * sent[""][("reduce-scatter", "fsdp")],
+                                                                        rel=0.01)

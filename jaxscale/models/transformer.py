@@ -213,7 +213,10 @@ class Transformer(nnx.Module):
     def _run_layer(self, body, layer_params, dims, x_BLD, places):
         """body(params, x, places) -> (x, stats) on one layer's parameters, remat as set."""
         s = self.spec
-        return fsdp.run(body, s.strategy.layout, s.weights, layer_params, dims, x_BLD, places, self._remat)
+        # Under context parallelism a dense layer maps over `sequence` too (its attention then
+        # runs the ring on the map's manual axis); an MoE layer routes whole rows, so it does not.
+        length = s.strategy.context != "none" and not s.moe.num_experts
+        return fsdp.run(body, s.strategy.layout, s.weights, layer_params, dims, x_BLD, places, self._remat, length)
 
     def _layer(self, graphdef, dims, params, x_BLD, places, cache):
         """One layer (a Block or an MoEBlock): (x_BLD, its updated cache or None, router statistics)."""

@@ -73,18 +73,22 @@ def free_axes(mesh) -> set[str]:
     return set(mesh.axis_names) - set(getattr(mesh, "manual_axes", ()))
 
 
-def map_axes(layout: sharding.Layout | None) -> tuple[str, ...]:
-    """The axes a layer's map makes manual here: every axis the batch is split over (data, fsdp,
-    expert) that is not manual already, in the batch's order; none where none of them can split
-    weights. All of them, because a manual axis after an automatic one on the same dimension
-    makes the partitioner move the rows (measured: an all-gather and a permute of the
-    activations over `data`), and a weight whole over several of them then has its gradient
-    summed over all of them at once."""
+def map_axes(layout: sharding.Layout | None, length: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the axes a layer's map makes manual along the batch, along the length): every axis the
+    batch is split over (data, fsdp, expert) that is not manual already, in the batch's order,
+    and with `length` the sequence axes of the residual stream (context parallelism); none where
+    none of them can split weights. All of the batch's, because a manual axis after an automatic
+    one on the same dimension makes the partitioner move the rows (measured: an all-gather and a
+    permute of the activations over `data`); the length's too, so that a weight whole over
+    several of them has its gradient summed over all of them at once."""
     if layout is None:
-        return ()
+        return (), ()
     free = free_axes(layout.mesh)
-    axes = tuple(a for a in entries(layout.spec(("batch",)), 1)[0] if a in free)
-    return axes if set(axes) & set(WEIGHT_AXES) else ()
+    rows = tuple(a for a in entries(layout.spec(("batch",)), 1)[0] if a in free)
+    if not set(rows) & set(WEIGHT_AXES):
+        return (), ()
+    along = tuple(a for a in entries(layout.spec(("act_length",)), 1)[0] if a in free) if length else ()
+    return rows, along
 
 
 def _gather_fwd(x, dims: Entries, compute: str):
@@ -154,14 +158,16 @@ def stored(layout: sharding.Layout, names: tuple[str, ...], shape: tuple[int, ..
 
 
 def run(fn, layout: sharding.Layout | None, weights: Weights, params, dims, x_BLD, places,
-        remat=lambda f: f):
+        remat=lambda f: f, length: bool = False):
     """fn(params, x_BLD, places) -> (y_BLD, stats) with `params` whole over the map's axes in the
     compute dtype: in shard_map over `map_axes` (each device its rows of x and of `places`, a
-    pytree of [B, ...] arrays; stats, scalar means over its rows, averaged over the map), or
-    directly where there is no such axis. `dims` gives each parameter's stored split (`stored`).
-    `remat` wraps the gathers with fn: a rematerialised layer gathers its weights again in the
-    backward pass (FSDP's reshard after forward), an unrematerialised one keeps them."""
-    axes = map_axes(layout)
+    pytree of [B, L] arrays, and with `length` its part of the length; stats, scalar means over
+    its rows, averaged over the map), or directly where there is no such axis. `dims` gives each
+    parameter's stored split (`stored`). `remat` wraps the gathers with fn: a rematerialised
+    layer gathers its weights again in the backward pass (FSDP's reshard after forward), an
+    unrematerialised one keeps them."""
+    rows, along = map_axes(layout, length)
+    axes = rows + along
 
     def use(params, x_BLD, places):
         if not axes:
@@ -174,6 +180,6 @@ def run(fn, layout: sharding.Layout | None, weights: Weights, params, dims, x_BL
     if not axes:
         return remat(use)(inward, x_BLD, places)
     specs = jax.tree.map(lambda _, d: to_spec(keep(d, axes)), params, dims)
-    batch = P(axes)
-    return jax.shard_map(remat(use), mesh=current_mesh(layout.mesh), in_specs=(specs, batch, batch),
-                         out_specs=(batch, P()), axis_names=set(axes), check_vma=False)(inward, x_BLD, places)
+    tokens = P(rows, along or None)
+    return jax.shard_map(remat(use), mesh=current_mesh(layout.mesh), in_specs=(specs, tokens, tokens),
+                         out_specs=(tokens, P()), axis_names=set(axes), check_vma=False)(inward, x_BLD, places)
