@@ -117,19 +117,19 @@ def embed(tables: list[tuple[Table, jax.Array]], layout, weights: Weights):
     exchange = tuple(a for a in stored[0][1] if a in vary)  # the D split the rows travel over
     scatter = tuple(a for a in _spec_axes(out_spec, 1) if a not in _spec_axes(ids_spec, 1))  # sequence parallel
 
+    def rows_of(block, dims, ids, vocabulary: bool):
+        """This device's rows [b * |exchange|, l, D / |exchange|] of one table at the exchange's ids."""
+        v_axes, d_axes = dims
+        # Whole over the axes the ids differ over along V, and over those they do not along D.
+        whole = (tuple(a for a in v_axes if a in vary), tuple(a for a in d_axes if a not in exchange))
+        block = _gather_dims(block, whole)
+        v_axes = tuple(a for a in v_axes if a not in vary) if vocabulary else ()
+        ids = jax.lax.all_gather(ids, exchange, axis=0, tiled=True) if exchange else ids
+        return _sum_over(_local_rows(block, ids, v_axes).astype(weights.reduce), v_axes, scatter)
+
     def local(*args):
-        blocks, id_blocks = args[::2], args[1::2]
-        parts = []
-        for i, (block, dims, ids) in enumerate(zip(blocks, stored, id_blocks)):
-            v_axes, d_axes = dims
-            # Whole over what the ids vary over along V, and over what they do not along D.
-            block = _gather_dims(block, ((tuple(a for a in v_axes if a in vary)),
-                                         tuple(a for a in d_axes if a not in exchange)))
-            v_axes = tuple(a for a in v_axes if a not in vary) if i == 0 else ()
-            ids = jax.lax.all_gather(ids, exchange, axis=0, tiled=True) if exchange else ids
-            rows = _local_rows(block, ids, v_axes).astype(weights.reduce)
-            parts.append(_sum_over(rows, v_axes, scatter))
-        x = sum(parts)
+        x = sum(rows_of(block, dims, ids, i == 0) for i, (block, dims, ids) in
+                enumerate(zip(args[::2], stored, args[1::2])))
         if exchange:
             x = jax.lax.all_to_all(x, exchange, 0, 2, tiled=True)
         return x.astype(compute)
