@@ -1,20 +1,20 @@
 """FSDP and ZeRO-3 written out: weights gathered where they are used, gradients reduce-scattered.
 
-A layer (and the embedding and the head, `models.vocab`) runs in shard_map over the batch's
-leading mesh axes that can split weights, `data` and `fsdp` (`map_axes`). Inside, each device
-holds its own rows and gathers each weight it uses from its shards, in the compute dtype, with
-one all-gather over the axes that split it (`gather`); the transpose of that gather is the
-gradient's reduce-scatter back into the shards. A weight whole over `data` (ZeRO 0-2) enters the
-map whole, and its gradient is summed over `data` at the map's edge, once per layer.
+A layer runs in shard_map over the axes its batch is split over (data, fsdp, expert; and the
+sequence axis under context parallelism: `map_axes`); the embedding and the head do likewise
+(`models.vocab`). Inside, each device holds its own rows and gathers each weight it uses from its
+shards, in the compute dtype, with one all-gather over the axes that split it (`gather`); the
+transpose of that gather is the gradient's reduce-scatter back into the shards (in stages over a
+TPU torus: `parallel.rings`). A weight whole over some of the map's axes (data under ZeRO 0-2)
+enters the map whole, and its gradient is summed over them at the map's edge, once per layer.
 
 Weights cross the map's edge in the reduce dtype (`Weights.reduce`): the compute dtype unless
 `optim.grad_reduce_dtype=float32` asks for float32, so by default the all-gathers and the
 gradients' reduce-scatters and all-reduces move bfloat16 when the compute is bfloat16.
 
-Left to the partitioner, the gather of a weight indexed out of the stacked layers inside the
-layer loop came out of the TPU compiler as an all-reduce of a zero-filled buffer at 128-way
-fsdp (twice an all-gather's bytes), and the gradients as whole all-reduces; written out, each
-is the collective it is meant to be on every compiler, XLA:CPU's reduce-scatter included.
+Left to the partitioner, a gradient's reduction into its shards came out as an all-reduce of the
+whole gradient and a slice, from XLA:CPU and from the TPU compiler on v4/v5p/v6e slices alike
+(twice the bytes, and the whole gradient in memory), in whatever dtype it met the reduction.
 """
 
 from __future__ import annotations
