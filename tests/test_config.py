@@ -70,6 +70,8 @@ def test_overrides_parse_types():
     (["mesh.data=1", "mesh.fsdp=8", "model.d_model=100", "model.num_heads=2", "model.num_kv_heads=2"],
      "model.d_model", "multiple of 8"),
     (["model.head_chunk_mib=-1"], "model.head_chunk_mib", ">= 0"),
+    (["model.z_loss_weight=-1e-4"], "model.z_loss_weight", ">= 0"),
+    (["mesh.data=4", "mesh.pipeline=2", "model.z_loss_weight=1e-4"], "model.z_loss_weight", "executor"),
     (["optim.grad_reduce_dtype=float16"], "optim.grad_reduce_dtype", "float32"),
     (["mesh.data=4", "mesh.tensor=2", "sharding.sequence_parallel=True", "train.seq_len=33", "model.max_seq_len=64"],
      "train.seq_len", "multiple of 2"),

@@ -18,9 +18,15 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.kernels import flash, splash
 from jaxscale.parallel import per_device
+
+# The name of every attention kernel's saved residuals (its inputs, output and log-sum-exp), for
+# remat policies: `model.remat=dots_saveable` keeps them, so no attention forward runs again in
+# the backward pass.
+KEPT = "attention_residuals"
 
 
 class Placement(NamedTuple):
@@ -79,22 +85,44 @@ def resolve_impl(requested: str, platform: str, dtype, head_dim: int, document_m
     return "xla", f"attention: xla ({reason})"
 
 
+def kept(kernel):
+    """kernel(*args), its output and residuals named KEPT: under a remat policy that saves them the
+    backward pass takes them from the forward instead of running the kernel's forward again (a
+    kernel's residuals are invisible to policies otherwise: its forward ran again in the layer's
+    remat under dots_saveable)."""
+    @jax.custom_vjp
+    def run(*args):
+        return kernel(*args)
+
+    def forward(*args):  # the output too: the output projection's weight gradient reads it
+        out, pullback = jax.vjp(kernel, *args)
+        return checkpoint_name(out, KEPT), jax.tree.map(lambda r: checkpoint_name(r, KEPT), pullback)
+
+    def backward(pullback, g):
+        return pullback(g)
+
+    run.defvjp(forward, backward)
+    return run
+
+
 def self_attention(q_BLHE, k_BLKE, v_BLKE, places: Placement, impl: str, block: int = flash.BLOCK, mesh=None):
     """Causal grouped-query attention on one device's whole sequence, within documents when
     places.segments is set (cudnn only without). Given the run's mesh, the xla and splash kernels
-    run on each device's own rows and heads (`parallel.per_device`)."""
+    run on each device's own rows and heads (`parallel.per_device`). The kernel's residuals are
+    `kept` for remat policies."""
     if impl == "cudnn":
-        return jax.nn.dot_product_attention(q_BLHE, k_BLKE, v_BLKE, is_causal=True, implementation="cudnn")
+        return kept(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))(
+            q_BLHE, k_BLKE, v_BLKE)
     pos, seg = places
     rows = (pos,) if seg is None else (pos, seg)
     if impl == "splash" and splash.unsupported(q_BLHE.shape[1]) is None:
         def on_tpu(q, k, v, _, seg=None):
             return splash.attention(q, k, v, seg, block)
-        return per_device(on_tpu, mesh, q_BLHE, k_BLKE, v_BLKE, *rows, every_axis=True)
+        return kept(lambda *a: per_device(on_tpu, mesh, *a, every_axis=True))(q_BLHE, k_BLKE, v_BLKE, *rows)
 
     def blockwise(q, k, v, pos, seg=None):
         return flash.attention(q, k, v, pos, pos, seg, seg, block)
-    return per_device(blockwise, mesh, q_BLHE, k_BLKE, v_BLKE, *rows)
+    return kept(lambda *a: per_device(blockwise, mesh, *a))(q_BLHE, k_BLKE, v_BLKE, *rows)
 
 
 def write_cache(cache_BSKE, new_BLKE, positions_BL):

@@ -23,7 +23,7 @@ def check_model(config) -> None:
                                   ("model.attention.impl", m.attention.impl, ATTENTION_IMPLS)):
         require_choice(field, value, choices)
     require_positive(config, _SIZES)
-    require_non_negative(config, ("model.head_chunk_mib",))
+    require_non_negative(config, ("model.head_chunk_mib", "model.z_loss_weight"))
     _check_shapes(m, config.train.seq_len)
 
 

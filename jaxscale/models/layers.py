@@ -6,11 +6,13 @@ E head_dim, F d_ff, V vocab.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale.models.attention import Placement, cached_attention, self_attention, write_cache
+from jaxscale.models.attention import Placement, cached_attention, kept, self_attention, write_cache
 from jaxscale.models.matmul import apart, project
 from jaxscale.parallel import context
 from jaxscale.sharding import constrain
@@ -126,8 +128,9 @@ class Attention(nnx.Module):
                          v=write_cache(cache["v"], v_BLKE, positions_BL))
             out_BLHE = cached_attention(q_BLHE, cache["k"], cache["v"], positions_BL)
         elif self.strategy.context != "none":  # tokens in zig-zag order (see LanguageModel.loss)
-            out_BLHE = context.attention(q_BLHE, k_BLKE, v_BLKE, positions_BL, places.segments,
-                                         self.strategy.mesh, self.strategy.context, self.block)
+            ring = functools.partial(context.attention, mesh=self.strategy.mesh, mode=self.strategy.context,
+                                     block=self.block)
+            out_BLHE = kept(ring)(q_BLHE, k_BLKE, v_BLKE, positions_BL, places.segments)
         else:
             out_BLHE = self_attention(q_BLHE, k_BLKE, v_BLKE, places, self.impl, self.block, self.strategy.mesh)
         out_BLHE = constrain(out_BLHE, ("batch", "act_length", "act_heads", "head_dim"))

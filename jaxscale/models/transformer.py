@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxscale.models.attention import Placement, document_positions, resolve_impl
+from jaxscale.models.attention import KEPT, Placement, document_positions, resolve_impl
 from jaxscale.models.layers import AXES_KEY, INNER, RESIDUAL, Attention, GeluMLP, LayerNorm, RMSNorm, SwiGLU, normal
 from jaxscale.models.moe import STATS, MoE, MoESpec
 from jaxscale.models.precision import compute_dtype
@@ -25,7 +25,9 @@ from jaxscale.sharding import Layout, constrain
 
 REMAT_POLICIES = {
     "full": None,  # save nothing inside a layer: recompute it all in the backward pass
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,  # keep matmul outputs, recompute the rest
+    # keep matmul outputs and the attention kernel's residuals (models.attention.kept), recompute the rest
+    "dots_saveable": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.save_only_these_names(KEPT)),
 }
 
 
@@ -48,6 +50,7 @@ class ModelSpec:
     init_std: float = 0.02
     remat: str = "none"
     head_chunk_mib: float = 256.0     # the training loss's logits per chunk of the vocabulary (models.vocab)
+    z_loss_weight: float = 0.0        # weight of the mean squared log-sum-exp of the logits in the objective
     scan_layers: bool = True          # False: the layers as straight-line code (resolve_layer_loop)
     cpu_matmul: bool = False          # projections with XLA:CPU's fast backward (models.matmul; one CPU device)
     attention_impl: str = "xla"       # a concrete kernel: xla | cudnn | splash (see models.attention.resolve_impl)
@@ -174,8 +177,9 @@ class Transformer(nnx.Module):
         return constrain(embed(tables, self.spec.strategy.layout, self.spec.weights), RESIDUAL)
 
     def head_loss(self, x_BLD, targets_BL):
-        """Mean next-token cross entropy of the last layer's output x_BLD: the final norm, the
-        head and the loss in one vocabulary-parallel pass (models.vocab), no [tokens, V] logits."""
+        """(mean next-token cross entropy, mean squared log-sum-exp: the z-loss) of the last
+        layer's output x_BLD: the final norm, the head and the loss in one vocabulary-parallel
+        pass (models.vocab), no [tokens, V] logits."""
         s = self.spec
         head = (Table(self.embed[...], ("vocab", "embed")) if s.tie_embeddings else
                 Table(self.head[...], ("embed", "vocab"), transposed=True))
@@ -360,22 +364,24 @@ class LanguageModel:
     def loss(self, params: dict, inputs_BL, targets_BL, segments_BL=None):
         """(training objective, metrics): metrics['loss'] is the mean next-token cross entropy;
         an MoE model adds its router losses, weighted, to the objective and its router
-        statistics (stat_names) to the metrics. segments_BL as in apply_with_stats. With a
-        context-parallel strategy, inputs, targets, positions and segments are reordered together
-        (zig-zag), which leaves the function and the mean loss unchanged and saves putting the
-        logits back in order."""
+        statistics (stat_names) to the metrics, and model.z_loss_weight the logits' z-loss.
+        segments_BL as in apply_with_stats. With a context-parallel strategy, inputs, targets,
+        positions and segments are reordered together (zig-zag), which leaves the function and
+        the mean loss unchanged and saves putting the logits back in order."""
         (inputs_BL, targets_BL), places, _ = self._lay_out((inputs_BL, targets_BL), segments_BL)
         if self.spec.strategy.pipeline != "none" and self.spec.strategy.context == "none":
             loss = self._pipelined_loss(params, inputs_BL, targets_BL, places)
             return loss, {"loss": loss}
         loss, stats = self._loss(params, inputs_BL, targets_BL, places)
-        return (loss + self.router_loss(stats) if stats else loss), {"loss": loss, **stats}
+        return loss + self.extra_loss(stats), {"loss": loss, **stats}
 
     def _loss(self, params: dict, inputs_BL, targets_BL, places: Placement):
-        """(mean cross entropy, router statistics) of the tokens as laid out."""
+        """(mean cross entropy, statistics: the router's and the z-loss, see stat_names) of the
+        tokens as laid out."""
         model = nnx.merge(self.graphdef, params)
         x_BLD, _, stats = model.hidden(inputs_BL, places)
-        return model.head_loss(x_BLD, targets_BL), stats
+        loss, z_loss = model.head_loss(x_BLD, targets_BL)
+        return loss, {**stats, "z_loss": z_loss} if self.spec.z_loss_weight else stats
 
     def _pipelined_loss(self, params: dict, inputs_BL, targets_BL, places: Placement):
         """The mean loss as the pipeline schedule's executor computes it (forward and backward
@@ -394,8 +400,8 @@ class LanguageModel:
         def embed(outer, tokens_BL, places):
             return model(outer).embed_tokens(tokens_BL, places)
 
-        def head_loss(outer, x_BLD, targets_BL):
-            return model(outer).head_loss(x_BLD, targets_BL)
+        def head_loss(outer, x_BLD, targets_BL):  # no z-loss under a pipeline (models.checks)
+            return model(outer).head_loss(x_BLD, targets_BL)[0]
 
         def primal(stacked, outer, tokens_BL, targets_BL, places):
             return self._loss({**outer, "layers": stacked}, tokens_BL, targets_BL, places)[0]
@@ -431,14 +437,18 @@ class LanguageModel:
 
     @property
     def stat_names(self) -> tuple[str, ...]:
-        """The names apply_with_stats returns statistics under."""
-        return STATS if self.spec.moe.num_experts else ()
+        """The names of the statistics `loss` reports beside the loss: the router's (STATS) for
+        an MoE model, and `z_loss` (mean squared log-sum-exp of the logits) when weighted."""
+        return (STATS if self.spec.moe.num_experts else ()) + (("z_loss",) if self.spec.z_loss_weight else ())
 
-    def router_loss(self, stats: dict):
-        """What the router statistics add to the training loss: moe.aux_loss_weight x the load
-        balancing loss + moe.z_loss_weight x the router z-loss (0 for a dense model)."""
-        m = self.spec.moe
-        return m.aux_loss_weight * stats["moe_aux_loss"] + m.z_loss_weight * stats["moe_z_loss"] if stats else 0.0
+    def extra_loss(self, stats: dict):
+        """What the statistics add to the training objective: moe.aux_loss_weight x the load
+        balancing loss + moe.z_loss_weight x the router z-loss (an MoE model), and
+        model.z_loss_weight x the logits' z-loss."""
+        m, extra = self.spec.moe, 0.0
+        if "moe_aux_loss" in stats:
+            extra = m.aux_loss_weight * stats["moe_aux_loss"] + m.z_loss_weight * stats["moe_z_loss"]
+        return extra + self.spec.z_loss_weight * stats["z_loss"] if "z_loss" in stats else extra
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> dict:
         """An empty KV cache for `batch` sequences of up to `max_len` tokens: {'k', 'v'}, each

@@ -202,9 +202,11 @@ def _targets_local(targets_T, head: _Head):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _cross_entropy_sum(x_TD, w_DV, targets_T, head: _Head):
-    """Sum over this device's tokens of log-sum-exp(x @ W) - (x @ W)[target], the vocabulary
-    split over head.v_axes and W's rows over head.d_axes."""
-    return _forward(x_TD, w_DV, targets_T, head)[0]
+    """(sum over this device's tokens of log-sum-exp(x @ W) - (x @ W)[target], sum of
+    log-sum-exp(x @ W)^2: the z-loss's), the vocabulary split over head.v_axes and W's rows over
+    head.d_axes."""
+    value, lse, _ = _forward(x_TD, w_DV, targets_T, head)
+    return value, jnp.sum(lse * lse)
 
 
 def _forward(x_TD, w_DV, targets_T, head: _Head):
@@ -233,18 +235,21 @@ def _forward(x_TD, w_DV, targets_T, head: _Head):
 
 def _fwd(x_TD, w_DV, targets_T, head):
     value, lse, probs = _forward(x_TD, w_DV, targets_T, head)
-    return value, (x_TD, w_DV, targets_T, lse, probs)
+    return (value, jnp.sum(lse * lse)), (x_TD, w_DV, targets_T, lse, probs)
 
 
-def _bwd(head, residuals, g):
+def _bwd(head, residuals, cotangents):
     # Inside shard_map without replication checks each device's cotangent is its part of the
     # whole, and the transposes of collectives sum the parts: the sum's cotangent is summed over
     # the vocabulary split (the transpose of the forward's psum), while x's stays this device's
     # part (the map sums it over the vocabulary split, where x enters whole).
     x_TD, w_DV, targets_T, lse, probs = residuals
     targets = _targets_local(targets_T, head)
+    g, g_z = cotangents
     if head.v_axes:
-        g = jax.lax.psum(g, head.v_axes)
+        g, g_z = jax.lax.psum((g, g_z), head.v_axes)
+    # d lse^2 / d logits = 2 lse softmax: the z-loss scales each token's softmax by 1 + 2 lse g_z / g.
+    scale = (g + 2 * g_z * lse)[:, None]
 
     def step(carry, c):
         dx, dw = carry
@@ -254,7 +259,7 @@ def _bwd(head, residuals, g):
             p = jnp.exp(logits - lse[:, None])
         else:
             p, columns = probs, c * head.chunk + jnp.arange(head.chunk)
-        d_logits = ((p - (columns[None] == targets[:, None])) * g).astype(head.compute)
+        d_logits = (p * scale - (columns[None] == targets[:, None]) * g).astype(head.compute)
         dx = dx + jnp.einsum("TV,DV->TD", d_logits, w_chunk, preferred_element_type=jnp.float32)
         d_chunk = jnp.einsum("TD,TV->DV", x_TD, d_logits, preferred_element_type=jnp.float32).astype(head.reduce)
         if head.d_axes:
@@ -282,14 +287,15 @@ def _local_loss(x_BLD, w_DV, targets_BL, d_axes, v_axes, columns, weights: Weigh
 
 
 def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chunk_mib: float, prelude=None):
-    """Mean next-token cross entropy of the logits x @ head over the vocabulary (float32
-    throughout, logits in chunks). x_BLD is placed as the residual stream; prelude(x) -> x, if
-    given, runs on it first (the final norm: inside the map, so its weights are gathered here)
-    and is (fn, params, stored dims of params)."""
+    """(mean next-token cross entropy of the logits x @ head, mean squared log-sum-exp of the
+    logits: the z-loss), over the vocabulary, float32 throughout, the logits in chunks. x_BLD is
+    placed as the residual stream; prelude(x) -> x, if given, runs on it first (the final norm:
+    inside the map, so its weights are gathered here) and is (fn, params, stored dims of params)."""
     if layout is None:
         x_BLD = prelude[0](prelude[1], x_BLD) if prelude else x_BLD
         w_DV = head.value.T if not head.transposed else head.value
-        return _local_loss(x_BLD, w_DV, targets_BL, (), (), w_DV.shape[1], weights, chunk_mib) / targets_BL.size
+        sums = _local_loss(x_BLD, w_DV, targets_BL, (), (), w_DV.shape[1], weights, chunk_mib)
+        return tuple(total / targets_BL.size for total in sums)
     axes, here = _map(layout)
     x_spec, ids_spec = here.spec(RESIDUAL), here.spec(IDS)
     gather_length = tuple(a for a in _spec_axes(x_spec, 1) if a not in _spec_axes(ids_spec, 1))
@@ -310,14 +316,16 @@ def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chun
         w_DV = w if head.transposed else w.T
         if v_gather:
             w_DV = jax.lax.all_gather(w_DV, v_gather, axis=1, tiled=True)
-        total = _local_loss(x_BLD, w_DV, targets_BL, d_axes, v_axes, columns, weights, chunk_mib,
-                            rings.stages(layout.mesh, d_axes))
+        sums = _local_loss(x_BLD, w_DV, targets_BL, d_axes, v_axes, columns, weights, chunk_mib,
+                           rings.stages(layout.mesh, d_axes))
         count = targets_BL.size * math.prod(jax.lax.axis_size(a) for a in rows)
-        return jax.lax.psum(total, tuple(sorted(rows))) / count if rows else total / count
+        sums = jax.lax.psum(sums, tuple(sorted(rows))) if rows else sums
+        return tuple(total / count for total in sums)
 
     w_dims = fsdp.keep(head.stored(layout), axes)
     w_spec = fsdp.to_spec(w_dims[::-1] if head.transposed else w_dims)
     p_specs = jax.tree.map(lambda _, d: fsdp.to_spec(fsdp.keep(d, axes)), params, dims)
     inward = jax.tree.map(lambda p: p.astype(weights.reduce), (head.value, params))
-    return _mapped(local, layout, (x_spec, w_spec, ids_spec, p_specs), P())(x_BLD, inward[0], targets_BL, inward[1])
+    return _mapped(local, layout, (x_spec, w_spec, ids_spec, p_specs), (P(), P()))(x_BLD, inward[0], targets_BL,
+                                                                                    inward[1])
 

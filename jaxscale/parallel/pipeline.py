@@ -49,6 +49,9 @@ def check(config, sizes) -> None:
         require(sizes["sequence"] == 1 or p.schedule in ("gpipe", "circular"), "pipeline.schedule", p.schedule,
                 "with mesh.sequence > 1 the stages run by autodiff through the gpipe or circular forward "
                 "(the schedule executor does not take context parallelism yet); choose gpipe or circular")
+        require(sizes["sequence"] > 1 or not config.model.z_loss_weight, "model.z_loss_weight",
+                config.model.z_loss_weight, "the pipeline's schedule executor differentiates the cross entropy "
+                "alone; set it to 0 or run without mesh.pipeline")
         if p.schedule == "file":
             try:
                 schedules.load(p.schedule_file, sizes[AXIS], p.microbatches, p.virtual_stages)
