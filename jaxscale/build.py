@@ -19,8 +19,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
+from jaxscale import determinism, program_cache
 from jaxscale import metrics as metrics_lib
-from jaxscale import program_cache
 from jaxscale import state as state_lib
 from jaxscale.guard import GuardSpec
 from jaxscale.mesh import granule_count
@@ -118,7 +118,8 @@ def build(config, devices=None, platform: str | None = None) -> Run:
     tx, schedule = make_optimizer(config.optim, config.train.steps)
     guard = GuardSpec.from_config(config.guard)
     abstract, shardings = state_lib.abstract(model, tx, layout, guard, offload)
-    spec = StepSpec(model, tx, schedule, layout, shardings, config.train.grad_accum_steps, guard)
+    spec = StepSpec(model, tx, schedule, layout, shardings, config.train.grad_accum_steps, guard,
+                    determinism.compiler_options(config, platform))
     n = metrics_lib.active_params(abstract.params, model.spec)
     return Run(config=config, platform=platform, layout=layout, model=model, offload=offload, step_spec=spec,
                abstract_state=abstract, notes=tuple(notes + model_notes),

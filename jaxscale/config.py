@@ -92,6 +92,7 @@ def _add_training(c: ml_collections.ConfigDict) -> None:
         steps=1000, global_batch_size=32, seq_len=128,
         grad_accum_steps=1,    # microbatches per step, accumulated inside the jitted step
         seed=0, log_every=10,
+        deterministic=False,   # bit-reproducible steps: XLA's deterministic GPU ops, no cuDNN attention (README)
         eval_every=100,        # 0 = never
         eval_batches=4,        # validation batches per evaluation
     )

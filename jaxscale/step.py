@@ -39,6 +39,7 @@ class StepSpec:
     state_shardings: TrainState          # where every leaf of the state lives (host memory too)
     accum_steps: int = 1                 # microbatches per step, accumulated in-graph
     guard: GuardSpec = GuardSpec()
+    compiler_options: tuple = ()         # (name, value) pairs XLA compiles the steps with (determinism.py)
 
     @property
     def dtype(self):
@@ -157,7 +158,8 @@ def jit_train_step(spec: StepSpec):
     replicated = NamedSharding(spec.layout.mesh, P())
     return jax.jit(functools.partial(train_step, spec=spec),
                    in_shardings=(spec.state_shardings, spec.layout.batch_sharding()),
-                   out_shardings=(spec.state_shardings, replicated), donate_argnums=0)
+                   out_shardings=(spec.state_shardings, replicated), donate_argnums=0,
+                   compiler_options=dict(spec.compiler_options) or None)
 
 
 def jit_eval_step(spec: StepSpec):
@@ -168,4 +170,5 @@ def jit_eval_step(spec: StepSpec):
         return loss_fn(on_device(params, params_shardings), batch, spec)[1]["loss"]
 
     replicated = NamedSharding(spec.layout.mesh, P())
-    return jax.jit(fn, in_shardings=(params_shardings, spec.layout.batch_sharding()), out_shardings=replicated)
+    return jax.jit(fn, in_shardings=(params_shardings, spec.layout.batch_sharding()), out_shardings=replicated,
+                   compiler_options=dict(spec.compiler_options) or None)

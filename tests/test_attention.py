@@ -1,8 +1,10 @@
 """Attention kernel selection: cuDNN where it can run, xla elsewhere, one line saying which."""
 
 import jax.numpy as jnp
+import pytest
 
 from jaxscale.build import build
+from jaxscale.errors import ConfigError
 from jaxscale.models.attention import resolve_impl
 
 
@@ -15,6 +17,14 @@ def test_auto_and_fallbacks():
     assert resolve_impl("xla", "gpu", jnp.bfloat16, 64) == ("xla", None)
     impl, note = resolve_impl("cudnn", "tpu", jnp.bfloat16, 64)
     assert impl == "xla" and note.startswith("warning: model.attention.impl=cudnn falls back to xla")
+
+
+def test_a_deterministic_run_takes_no_cudnn_attention():
+    impl, note = resolve_impl("auto", "gpu", jnp.bfloat16, 64, deterministic=True)
+    assert impl == "xla" and "not deterministic" in note
+    with pytest.raises(ConfigError) as info:
+        resolve_impl("cudnn", "gpu", jnp.bfloat16, 64, deterministic=True)
+    assert info.value.field == "model.attention.impl" and "set model.attention.impl=xla" in str(info.value)
 
 
 def test_run_reports_the_fallback(tiny_config):

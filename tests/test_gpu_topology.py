@@ -67,3 +67,16 @@ def test_fsdp_on_eight_h100s_gathers_weights_and_reduce_scatters_gradients():
 def test_without_the_cuda_plugin_the_error_says_what_to_install():
     result = run_cli(["--config=configs/tiny.py", "--topology=h100-8"], module="jaxscale.plan")
     assert result.returncode == 2 and "jaxscale[gpu-plan]" in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_the_gpu_compiler_takes_the_deterministic_step_and_cudnn_is_refused():
+    """train.deterministic on a GPU: the step compiles with XLA's deterministic ops and the
+    blockwise attention (a note says why not cuDNN's); asking for cuDNN's is a one-line error."""
+    plan = _h100_plan(["mesh.data=8", "train.deterministic=True", "model.dtype='bfloat16'"])
+    assert any("not deterministic" in note for note in plan["notes"]), plan["notes"]
+    args = ["--config=configs/tiny.py", "--config.train.deterministic=True", "--config.model.dtype='bfloat16'",
+            "--config.model.attention.impl=cudnn", "--topology=h100-8"]
+    result = run_cli(args, module="jaxscale.plan", env={"PYTHONPATH": str(GPU_PLAN)})
+    # (the CUDA plugin prints its driver lines on stderr first; the error is one line, the last)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and last.startswith("jaxscale: error: model.attention.impl"), result.stderr[-500:]

@@ -267,3 +267,16 @@ def test_remat_policies_trade_compiled_memory(optim_cfg):
         rerun[remat] = len(re.findall(r'op_name="[^"]*rematted_computation[^"]*flash_attention', compiled.as_text()))
     assert temp["none"] > 1.3 * temp["dots_saveable"] and temp["dots_saveable"] > 1.3 * temp["full"], temp
     assert rerun["none"] == rerun["dots_saveable"] == 0 < rerun["full"], rerun
+
+
+def test_a_deterministic_run_gives_the_same_bits_twice(optim_cfg):
+    """train.deterministic on CPU: XLA:CPU's steps are deterministic as they are (no options);
+    two runs of the same steps end with the same bits."""
+    from jaxscale import determinism
+
+    config = defaults()
+    config.train.deterministic = True
+    assert determinism.compiler_options(config, "cpu") == ()
+    assert dict(determinism.compiler_options(config, "gpu")) == {"xla_gpu_deterministic_ops": True}
+    first, second = (_run(_layout(data=8), 1, optim_cfg, steps=3)[1] for _ in range(2))
+    jax.tree.map(np.testing.assert_array_equal, first, second)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxscale.errors import ConfigError
 from jaxscale.kernels import flash, splash
 from jaxscale.parallel import per_device
 
@@ -69,14 +70,23 @@ def _unsupported(impl: str, platform: str, dtype, head_dim: int, document_mask: 
     return reason
 
 
+DETERMINISTIC = ("cuDNN attention is not deterministic with XLA's deterministic GPU ops (the step dies in "
+                 "execute_sharded); train.deterministic uses the blockwise kernel")
+
+
 def resolve_impl(requested: str, platform: str, dtype, head_dim: int, document_mask: bool = False,
-                 length: int = 0) -> tuple[str, str | None]:
+                 length: int = 0, deterministic: bool = False) -> tuple[str, str | None]:
     """(the kernel to use, a one-line note or None). `auto` takes the platform's kernel (splash
-    on TPU, cuDNN elsewhere) where it can run."""
+    on TPU, cuDNN elsewhere) where it can run; with `deterministic` never cuDNN's."""
     if requested == "xla":
         return "xla", None
     kernel = requested if requested != "auto" else "splash" if platform == "tpu" else "cudnn"
     reason = _unsupported(kernel, platform, dtype, head_dim, document_mask, length)
+    if reason is None and kernel == "cudnn" and deterministic:
+        if requested == "cudnn":
+            raise ConfigError("model.attention.impl", requested, DETERMINISTIC.replace(" uses", " needs") +
+                              ": set model.attention.impl=xla or auto")
+        return "xla", f"attention: xla ({DETERMINISTIC})"
     if reason is None:
         name = "cudnn flash attention" if kernel == "cudnn" else "splash attention (Pallas)"
         return kernel, f"attention: {name} (model.attention.impl={requested})"

@@ -481,7 +481,7 @@ def model_from_config(config, platform: str, layout: Layout | None = None) -> tu
     parallel attention and expert dispatch its mesh needs (see Strategy.for_layout)."""
     m = config.model
     impl, note = resolve_impl(m.attention.impl, platform, compute_dtype(m.dtype, platform), m.d_model // m.num_heads,
-                              config.data.document_mask, config.train.seq_len)
+                              config.data.document_mask, config.train.seq_len, config.train.deterministic)
     strategy = Strategy() if layout is None else Strategy.for_layout(
         layout, schedule=config.pipeline.schedule, microbatches=config.pipeline.microbatches,
         virtual_stages=config.pipeline.virtual_stages, context=m.attention.context_parallel,
