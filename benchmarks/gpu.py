@@ -2,14 +2,17 @@
 
     python benchmarks/gpu.py [--configs=configs/gpt2_124m.py,configs/llama_1b.py] [--batch_sizes=8,16,32]
         [--remat=none,dots_saveable,full] [--flag_sets=jaxscale,none] [--seq_len=2048] [--steps=10]
-        [--override=a.b=v ...] [--json] [--append] [--smoke]
+        [--override=a.b=v ...] [--profile] [--json] [--append] [--smoke]
 
 Every combination runs in a fresh process (XLA reads its flags once, when the backend starts):
 bfloat16 compute, the attention kernel `auto` picks (cuDNN flash attention on NVIDIA GPUs),
 synthetic tokens, the compiled train step timed over `--steps` steps after two warm-up steps
 (median), MFU by the PaLM convention against the device's dense bf16 peak (jaxscale/metrics.py).
 `--flag_sets`: `jaxscale` = jaxscale's GPU defaults (jaxscale/xla_flags.py), `none` = XLA's own
-defaults. A combination that does not fit in memory is reported as such, not fatal.
+defaults. A combination that does not fit in memory is reported as such, not fatal. `--profile`
+also traces 3 steps of each (jax.profiler) and adds where the GPU's kernel time goes, by class
+(benchmarks/_kernels.py: GEMMs by dtype, cuDNN attention forward and backward, copies, the
+optimizer, reductions, other fusions), so that one call on a GPU gives the whole account.
 `--smoke` runs configs/tiny.py on CPU, two combinations, to keep the script working.
 """
 
@@ -26,6 +29,7 @@ import subprocess
 import sys
 import time
 
+import _kernels
 import _steps
 
 SMOKE = {"configs": "configs/tiny.py", "batch_sizes": "8", "remat": "none,full", "flag_sets": "jaxscale",
@@ -53,13 +57,30 @@ def _worker(args) -> dict:
         if i >= 2:
             times.append(time.perf_counter() - began)
     step_s = statistics.median(times)
+    kernels = _profile(compiled, state, batches) if args.profile else None
     tokens_per_sec = args.batch * args.seq_len / step_s
     memory = compiled.memory_analysis()
     return {"step_s": step_s, "tokens_per_sec": tokens_per_sec, "compile_s": compile_s,
             "mfu": metrics.mfu(tokens_per_sec, run.flops_per_token, run.layout.mesh.size, run.peak_tflops),
             "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
             "attention": run.model.spec.attention_impl,
-            "temp_bytes": getattr(memory, "temp_size_in_bytes", None), "loss": float(out["loss"])}
+            "temp_bytes": getattr(memory, "temp_size_in_bytes", None), "loss": float(out["loss"]),
+            **({"kernels_ms": kernels} if kernels is not None else {})}
+
+
+def _profile(compiled, state, batches, steps: int = 3) -> dict[str, float]:
+    """Milliseconds a step by kernel class (benchmarks/_kernels.py) over a trace of `steps` steps."""
+    import tempfile
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(steps):
+                state, out = compiled(state, next(batches))
+            jax.block_until_ready(out["loss"])
+        times = _kernels.kernel_times(trace_dir, compiled.as_text())
+    return {name: ns / steps / 1e6 for name, ns in times.items()}
 
 
 def _combination_env(flag_set: str) -> dict:
@@ -75,7 +96,8 @@ def _combination_env(flag_set: str) -> dict:
 def _run_one(config: str, batch: int, remat: str, flag_set: str, args) -> dict:
     row = {"config": config, "batch": batch, "remat": remat, "flag_set": flag_set, "seq_len": args.seq_len}
     cmd = [sys.executable, __file__, "--worker", f"--config={config}", f"--batch={batch}", f"--remat={remat}",
-           f"--seq_len={args.seq_len}", f"--steps={args.steps}", *(f"--override={o}" for o in args.override)]
+           f"--seq_len={args.seq_len}", f"--steps={args.steps}", *(f"--override={o}" for o in args.override),
+           *(["--profile"] if args.profile else [])]
     done = subprocess.run(cmd, env=_combination_env(flag_set), capture_output=True, text=True, timeout=3600)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode == 0 and lines:
@@ -93,9 +115,11 @@ def report(rows: list[dict]) -> str:
                 f"| {r['tokens_per_sec']:,.0f} | {mfu} |")
     ok = [r for r in rows if "error" not in r]
     where = f"{ok[0]['devices']} x {ok[0]['device']}, attention {ok[0]['attention']}" if ok else "no run succeeded"
+    kernels = [f"\n{r['config']}, batch {r['batch']}, remat {r['remat']}, {r['flag_set']} flags:\n\n"
+               + _kernels.table(r["kernels_ms"]) for r in ok if "kernels_ms" in r]
     return _common.entry(f"gpu: tokens/s and MFU, seq {rows[0]['seq_len']}, bf16, {where}", "\n".join(
         ["| config | global batch | remat | XLA flags | step | tokens/s | MFU |", "|---|---|---|---|---|---|---|"]
-        + [cell(r) for r in rows]))
+        + [cell(r) for r in rows] + kernels))
 
 
 def main() -> None:
@@ -107,6 +131,7 @@ def main() -> None:
     parser.add_argument("--seq_len", type=int, default=2048)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--override", action="append", default=[], help="a.b=value, as --config.a.b")
+    parser.add_argument("--profile", action="store_true", help="add kernel time by class from a trace of 3 steps")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, help=argparse.SUPPRESS)

@@ -49,6 +49,8 @@ def _add_model(c: ml_collections.ConfigDict) -> None:
         head_chunk_mib=256.0,  # the training loss runs over the vocabulary in chunks of at most this many MiB of
                                # float32 logits per device (models/vocab.py); 0 = the whole vocabulary at once
         z_loss_weight=0.0,     # + this x mean(logsumexp(logits)^2) in the objective (PaLM's z-loss; 1e-4 typical)
+        fp8=False,             # the layers' projections in fp8: e4m3 forward, e5m2 gradients, per-tensor scales
+                               # of the step (models/fp8.py); NVIDIA compute capability 8.9+, emulated on CPU
         attention=dict(
             impl="auto",               # xla | cudnn | splash | auto (cudnn on GPU, splash on TPU, where they run)
             context_parallel="ring",   # ring | all_gather: attention when mesh.sequence > 1

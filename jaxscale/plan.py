@@ -1,4 +1,4 @@
-"""CLI: python -m jaxscale.plan --config=PATH [--config.a.b=v ...] [--json] [--device_memory_gb=80]
+"""CLI: python -m jaxscale.plan --config=PATH [--config.a.b=v ...] [--json] [--hlo=FILE] [--device_memory_gb=80]
     [--platform=gpu | --topology=v5p-256]
 
 Compiles the real train step ahead of time for the configured mesh, allocating nothing (on fake
@@ -29,7 +29,7 @@ from jaxscale.models.moe import expert_param_count
 from jaxscale.offload import HOST
 from jaxscale.sharding import Layout
 
-USAGE = ("usage: python -m jaxscale.plan --config=PATH [--config.section.key=value ...] [--json] "
+USAGE = ("usage: python -m jaxscale.plan --config=PATH [--config.section.key=value ...] [--json] [--hlo=FILE] "
          "[--device_memory_gb=GB] [--platform=cpu|gpu|tpu "
          "| --topology=v5p-256|v5e-256|v6e-256|v4-128|2xv5e-256|h100-8|h200-16]")
 GIB = 2**30
@@ -248,7 +248,11 @@ def _target(flags: dict) -> tuple[str | None, list | None, float | None, dict]:
 
 def _plan(config, path: str, flags: dict) -> None:
     platform, devices, limit, pod = _target(flags)
-    result = make_plan(config, platform, devices)
+    run, compiled, seconds = compile_plan(config, platform or jax.default_backend(), devices)
+    if flags.get("hlo"):  # the compiled step's HLO, as the compiler optimised it
+        with open(flags["hlo"], "w") as file:
+            file.write(compiled.as_text())
+    result = describe(config, run, compiled, seconds)
     if pod:
         result["topology"] = pod
     if limit:
@@ -262,7 +266,8 @@ def _plan(config, path: str, flags: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return cli.main(_plan, USAGE, {"json": bool, "device_memory_gb": float, "platform": str, "topology": str}, argv)
+    return cli.main(_plan, USAGE, {"json": bool, "hlo": str, "device_memory_gb": float, "platform": str,
+                                   "topology": str}, argv)
 
 
 if __name__ == "__main__":

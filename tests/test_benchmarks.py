@@ -94,6 +94,7 @@ def _check_gpu(out):
         assert r["step_s"] > 0 and r["tokens_per_sec"] > 0
         assert r["mfu"] is None and r["device"] == "cpu"  # no known peak on CPU
     none, full = out["rows"]
+    assert none["kernels_ms"] == {} == full["kernels_ms"]  # --profile: a CPU's trace holds no GPU kernels
     assert full["temp_bytes"] < none["temp_bytes"]  # remat keeps fewer activations (measured 0.77x)
     # Remat recomputes the same forward pass: the same losses, to bf16 rounding (measured 6e-6).
     assert full["loss"] == pytest.approx(none["loss"], rel=1e-4)
@@ -161,7 +162,7 @@ BENCHMARKS = {  # file -> (extra arguments, check of its JSON)
     "data.py": ([], _check_data),
     "moe.py": ([], _check_moe),
     "offload.py": ([], _check_offload),
-    "gpu.py": ([], _check_gpu),
+    "gpu.py": (["--profile"], _check_gpu),
     "checkpoint.py": ([], _check_checkpoint),
     "collectives.py": (["--mesh=data=2,tensor=4"], _check_collectives),
     "memory.py": ([], _check_memory),
@@ -188,3 +189,22 @@ def test_smoke(script):
     if check is not None:
         check(out)
     assert (BENCH / "RESULTS.md").read_text() == results, "--smoke must not append"
+
+
+def test_gpu_kernels_are_classed_by_name_and_hlo():
+    """The GEMMs by the dtype they multiply in (a Triton GEMM fusion by its operands' types),
+    cuDNN attention by direction, the optimizer by its HLO's op_name."""
+    sys.path.insert(0, str(BENCH))
+    from _kernels import kernel_class, table
+
+    assert kernel_class("sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32") == "GEMM fp32/tf32"
+    assert kernel_class("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n") == "GEMM bf16"
+    fp8_fusion = ("%gemm_fusion_dot.14 = bf16[64,32]{1,0} fusion(%p, %q), calls=%c "
+                  "%c (parameter_0: f8e5m2[64,16], parameter_1: f8e4m3fn[32,16]) -> bf16[64,32] {")
+    assert kernel_class("gemm_fusion_dot_14", fp8_fusion) == "GEMM fp8"
+    assert kernel_class("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16") == "attention forward"
+    assert kernel_class("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16") == "attention backward"
+    assert kernel_class("loop_multiply_fusion_3", '%f = f32[8] fusion(), metadata={op_name="x/opt_state/mu"}') == \
+        "optimizer"
+    assert kernel_class("MemcpyD2D") == "copies" and kernel_class("input_reduce_fusion_2") == "reductions"
+    assert "GEMM bf16 | 3.00 | 75.0%" in table({"GEMM bf16": 3.0, "copies": 1.0})

@@ -31,10 +31,11 @@ def test_a_bad_gpu_name_names_the_flag(name, words):
 GPU_PLAN = ROOT / ".venv" / "gpu-plan"
 
 
-def _h100_plan(overrides) -> dict:
+def _h100_plan(overrides, flags=(), topology="h100-8") -> dict:
     if not (GPU_PLAN / "jax_plugins" / "xla_cuda12").is_dir():
         pytest.skip(f"compiling for GPUs needs JAX's CUDA plugin in {GPU_PLAN} (make test installs it)")
-    args = ["--config=configs/tiny.py", *(f"--config.{o}" for o in overrides), "--topology=h100-8", "--json"]
+    args = ["--config=configs/tiny.py", *(f"--config.{o}" for o in overrides), f"--topology={topology}", "--json",
+            *flags]
     result = run_cli(args, module="jaxscale.plan", env={"PYTHONPATH": str(GPU_PLAN)})
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout)
@@ -80,3 +81,16 @@ def test_the_gpu_compiler_takes_the_deterministic_step_and_cudnn_is_refused():
     # (the CUDA plugin prints its driver lines on stderr first; the error is one line, the last)
     last = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 2 and last.startswith("jaxscale: error: model.attention.impl"), result.stderr[-500:]
+
+
+def test_fp8_projections_compile_to_fp8_matmuls_for_an_h100(tmp_path):
+    """model.fp8 on one H100: each layer projection's three matmuls (forward, dx, dw) take fp8
+    operands, e4m3 and e5m2, in the GPU compiler's step (tiny.py: 7 projections, 2 layers)."""
+    import re
+
+    hlo = tmp_path / "step.hlo"
+    _h100_plan(["mesh.data=1", "model.fp8=True", "model.dtype='bfloat16'"], [f"--hlo={hlo}"], "h100-1")
+    text = hlo.read_text()
+    signatures = re.findall(r"^%\S+ \(([^)]*)\) -> ", text, re.M) + re.findall(r" dot\(([^)]*)\)", text)
+    fp8_gemms = [s for s in signatures if "f8e4m3fn[" in s and ("f8e4m3fn[" in s.split(",", 1)[1] or "f8e5m2[" in s)]
+    assert len(fp8_gemms) >= 3 * 7, len(fp8_gemms)

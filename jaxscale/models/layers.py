@@ -6,12 +6,14 @@ E head_dim, F d_ff, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxscale.models import fp8
 from jaxscale.models.attention import Placement, cached_attention, kept, self_attention, write_cache
 from jaxscale.models.matmul import apart, project
 from jaxscale.parallel import context
@@ -24,6 +26,23 @@ INNER = ("batch", "act_length", "act_embed")
 
 # Metadata key holding a parameter's logical axis names (mapped to mesh axes by jaxscale.sharding).
 AXES_KEY = "axes"
+
+
+@dataclasses.dataclass(frozen=True)
+class Matmul:
+    """How a layer multiplies by its weights: in fp8 (models.fp8, model.fp8), with XLA:CPU's fast
+    backward (models.matmul, one CPU device), or as a plain einsum."""
+
+    cpu: bool = False
+    fp8: bool = False
+
+    @classmethod
+    def of(cls, cfg) -> Matmul:
+        return cls(cfg.cpu_matmul, cfg.fp8)
+
+    def __call__(self, x, w, k: int = 1, from_activation: bool = False):
+        """x's last k axes contracted with w's first k: [..., C...] @ [C..., O...] -> [..., O...]."""
+        return fp8.project(x, w, k) if self.fp8 else project(x, w, k, self.cpu, from_activation)
 
 
 def _named(value, axes) -> nnx.Param:
@@ -99,6 +118,7 @@ class Attention(nnx.Module):
         self.wv = normal(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
         self.wo = normal(rngs, (H, E, D), ("heads", "head_dim", "embed"), out_std)
         self.use_rope, self.theta, self.cpu = cfg.family == "llama", cfg.rope_theta, cfg.cpu_matmul
+        self.matmul = Matmul.of(cfg)
         self.impl, self.block, self.strategy = cfg.attention_impl, cfg.attention_block, cfg.strategy
         if cfg.family == "gpt2":
             self.bias_q = zeros((H, E), ("heads", "head_dim"))
@@ -107,7 +127,7 @@ class Attention(nnx.Module):
             self.bias_o = zeros((D,), ("norm",))
 
     def _project(self, x_BLD, w, bias_name, heads_axis):
-        y = project(x_BLD, w[...], 1, self.cpu)
+        y = self.matmul(x_BLD, w[...], 1)
         y = y + getattr(self, bias_name)[...] if hasattr(self, bias_name) else y
         return constrain(y, ("batch", "act_length", heads_axis, "head_dim"))
 
@@ -134,7 +154,7 @@ class Attention(nnx.Module):
         else:
             out_BLHE = self_attention(q_BLHE, k_BLKE, v_BLKE, places, self.impl, self.block, self.strategy.mesh)
         out_BLHE = constrain(out_BLHE, ("batch", "act_length", "act_heads", "head_dim"))
-        out_BLD = project(out_BLHE, self.wo[...], 2, self.cpu)
+        out_BLD = self.matmul(out_BLHE, self.wo[...], 2)
         return (out_BLD + self.bias_o[...] if hasattr(self, "bias_o") else out_BLD), cache
 
 
@@ -142,25 +162,25 @@ class SwiGLU(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         D, F = cfg.d_model, cfg.d_ff
         self.w_gate = normal(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
-        self.cpu = cfg.cpu_matmul
+        self.matmul = Matmul.of(cfg)
         self.w_up = normal(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
         self.w_down = normal(rngs, (F, D), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
 
     def __call__(self, x_BLD):
-        h_BLF = jax.nn.silu(project(x_BLD, self.w_gate[...], 1, self.cpu)) * project(x_BLD, self.w_up[...], 1, self.cpu)
-        return project(constrain(h_BLF, ("batch", "act_length", "act_mlp")), self.w_down[...], 1, self.cpu)
+        h_BLF = jax.nn.silu(self.matmul(x_BLD, self.w_gate[...])) * self.matmul(x_BLD, self.w_up[...])
+        return self.matmul(constrain(h_BLF, ("batch", "act_length", "act_mlp")), self.w_down[...])
 
 
 class GeluMLP(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         D, F = cfg.d_model, cfg.d_ff
         self.w_in = normal(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
-        self.cpu = cfg.cpu_matmul
+        self.matmul = Matmul.of(cfg)
         self.bias_in = zeros((F,), ("mlp",))
         self.w_out = normal(rngs, (F, D), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
         self.bias_out = zeros((D,), ("norm",))
 
     def __call__(self, x_BLD):
-        h_BLF = jax.nn.gelu(project(x_BLD, self.w_in[...], 1, self.cpu) + self.bias_in[...], approximate=True)
-        return project(constrain(h_BLF, ("batch", "act_length", "act_mlp")), self.w_out[...], 1, self.cpu,
-                       from_activation=True) + self.bias_out[...]
+        h_BLF = jax.nn.gelu(self.matmul(x_BLD, self.w_in[...]) + self.bias_in[...], approximate=True)
+        return self.matmul(constrain(h_BLF, ("batch", "act_length", "act_mlp")), self.w_out[...],
+                           from_activation=True) + self.bias_out[...]

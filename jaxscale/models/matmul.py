@@ -30,13 +30,19 @@ import jax
 import jax.numpy as jnp
 
 
+def letters(x_ndim: int, w_ndim: int, k: int) -> tuple[str, str, str]:
+    """(x's, w's and the output's einsum letters) of x [..., C1..Ck] @ w [C1..Ck, O...] -> [..., O...]."""
+    names = iter(string.ascii_letters)
+    batch = "".join(next(names) for _ in range(x_ndim - k))
+    contract = "".join(next(names) for _ in range(k))
+    out = "".join(next(names) for _ in range(w_ndim - k))
+    return batch + contract, contract + out, batch + out
+
+
 def _spec(x_ndim: int, w_ndim: int, k: int) -> str:
     """The einsum of x [..., C1..Ck] @ w [C1..Ck, O...] -> [..., O...]."""
-    letters = iter(string.ascii_letters)
-    batch = "".join(next(letters) for _ in range(x_ndim - k))
-    contract = "".join(next(letters) for _ in range(k))
-    out = "".join(next(letters) for _ in range(w_ndim - k))
-    return f"{batch}{contract},{contract}{out}->{batch}{out}"
+    xs, ws, out = letters(x_ndim, w_ndim, k)
+    return f"{xs},{ws}->{out}"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))

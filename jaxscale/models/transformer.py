@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxscale.errors import ConfigError
+from jaxscale.models import fp8
 from jaxscale.models.attention import KEPT, Placement, document_positions, resolve_impl
 from jaxscale.models.layers import AXES_KEY, INNER, RESIDUAL, Attention, GeluMLP, LayerNorm, RMSNorm, SwiGLU, normal
 from jaxscale.models.moe import STATS, MoE, MoESpec
@@ -53,6 +55,7 @@ class ModelSpec:
     z_loss_weight: float = 0.0        # weight of the mean squared log-sum-exp of the logits in the objective
     scan_layers: bool = True          # False: the layers as straight-line code (resolve_layer_loop)
     cpu_matmul: bool = False          # projections with XLA:CPU's fast backward (models.matmul; one CPU device)
+    fp8: bool = False                 # the layers' projections in fp8 (models.fp8)
     attention_impl: str = "xla"       # a concrete kernel: xla | cudnn | splash (see models.attention.resolve_impl)
     attention_block: int = 512        # the blockwise kernel's tile edge (model.attention.block_size)
     moe: MoESpec = MoESpec()          # mixture of experts (moe.num_experts 0: every MLP dense)
@@ -489,6 +492,9 @@ def model_from_config(config, platform: str, layout: Layout | None = None) -> tu
     one_cpu = _one_cpu_device(platform, layout)
     cpu_matmul = m.projections == "cpu" or (m.projections == "auto" and one_cpu)
     compiler = platform if layout is None else layout.mesh.devices.flat[0].platform  # CPU devices stand in for GPUs
+    reason = m.fp8 and fp8.unsupported(platform, None if layout is None else list(layout.mesh.devices.flat))
+    if reason:
+        raise ConfigError("model.fp8", m.fp8, f"{reason}; set it to False")
     weights = fsdp.Weights.of(compute_dtype(m.dtype, platform), config.optim.grad_reduce_dtype or None, compiler)
     spec = ModelSpec.from_config(m, impl, strategy, resolve_layer_loop(m, one_cpu), cpu_matmul=cpu_matmul,
                                  weights=weights)
