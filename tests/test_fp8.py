@@ -37,10 +37,10 @@ def test_the_fp8_matmul_and_its_gradients_are_within_fp8_s_precision(shapes):
 
 def _trained(fp8_on: bool, steps: int = 200) -> tuple[float, float]:
     """(the first loss, the mean of the last 10) of configs/tiny.py in bfloat16 on one CPU device,
-    at global batch 8 (half the config's, for the suite's time)."""
+    at global batch 4 (a quarter of the config's, for the suite's time)."""
     config = cli.load_config(str(ROOT / "configs" / "tiny.py"), ["mesh.data=1", "model.dtype='bfloat16'",
                                                                  f"model.fp8={fp8_on}", f"train.steps={steps}",
-                                                                 "train.global_batch_size=8"])
+                                                                 "train.global_batch_size=4"])
     run = build(config, jax.devices()[:1])
     compiled, _ = run.compile()
     state, batches = run.init_state(), make_data(config, run.batch_sharding).train_batches(0)
@@ -53,9 +53,10 @@ def _trained(fp8_on: bool, steps: int = 200) -> tuple[float, float]:
 
 
 def test_tiny_trains_in_fp8_beside_bfloat16():
-    """200 steps from the same start: fp8 ends within 2% of bfloat16's loss (measured: 1.922
-    against 1.927 over the last 10 steps; at the config's batch of 16 the CLI logged 4.9% higher
-    at step 200 and 2.3% higher at step 500)."""
+    """200 steps from the same start: fp8 ends within 2% of bfloat16's loss (measured: 2.682
+    against 2.722 over the last 10 steps). At 200 steps the gap moves with the shape more than
+    with fp8: -0.3% at batch 8, +4.9% at the config's batch of 16 (+2.3% by step 500), +12.7%
+    at batch 8 x 64 tokens."""
     (start16, end16), (start8, end8) = _trained(False), _trained(True)
     assert start8 == pytest.approx(start16, rel=0.02) and end8 < 0.5 * start8
     assert end8 == pytest.approx(end16, rel=0.02)
