@@ -139,3 +139,32 @@ def test_a_full_disk_is_reported_and_the_previous_checkpoint_stays_intact(tmp_pa
     assert err[-1].startswith("jaxscale: error: checkpoint step 10 could not be written"), err[-5:]
     assert "No space left on device" in err[-1] and "step 5 is the latest intact checkpoint" in err[-1]
     assert "restored step 5 global sample 80" in (tmp_path / "check").read_text()
+
+
+QUIET = """
+import asyncio, logging, sys
+from jaxscale.checkpoint import quiet
+logging.basicConfig()
+loop = asyncio.new_event_loop()
+loop.close()
+quiet.closed_loops()
+class Late:  # a callback's error Python cannot raise anywhere, as TensorStore's late completions
+    def __init__(self, call): self.call = call
+    def __del__(self): self.call()
+def kept(): raise RuntimeError("kept")
+Late(lambda: loop.call_soon_threadsafe(print))
+Late(kept)
+logging.getLogger("absl").error("before")
+quiet.after_reported_failure()
+logging.getLogger("absl").error("after")
+print("jaxscale: error: last", file=sys.stderr)
+"""
+
+
+def test_after_a_reported_failure_orbax_and_closed_loops_say_nothing_more():
+    """What the full-disk run above sees only on a loaded machine: late reports, dropped."""
+    out = subprocess.run([sys.executable, "-c", QUIET], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = out.stderr.strip().splitlines()
+    assert "Event loop is closed" not in out.stderr and "RuntimeError: kept" in out.stderr
+    assert "ERROR:absl:before" in lines and "ERROR:absl:after" not in lines
+    assert lines[-1] == "jaxscale: error: last"

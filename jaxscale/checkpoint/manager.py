@@ -28,7 +28,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from jaxscale.checkpoint import digest
+from jaxscale.checkpoint import digest, quiet
 from jaxscale.errors import RunError
 
 CORRUPT_DIR = "checkpoints.corrupt"  # beside the checkpoints directory: steps that failed their check
@@ -128,6 +128,7 @@ class Checkpointer:
         self._pending: int | None = None  # step of the save in flight
         self._failed = False              # a failed save was reported; do not report it twice
         self._digester = digest.Digester()
+        quiet.closed_loops()
         handlers = {"state": _state_handler(), **{item: ocp.JsonCheckpointHandler() for item in JSON_ITEMS}}
         # A read-only manager warns that its directory is read only: what was asked for, not news.
         with _without_absl_warning("Given directory is read only"):
@@ -201,6 +202,7 @@ class Checkpointer:
             self._digester.finish()  # no writer is left waiting for the digests
             _let_writers_finish(WRITER_GRACE_S)  # their errors are logged before ours, not after it
             self._remove_unfinished(step)
+            quiet.after_reported_failure()
             latest = self.latest_step()
             kept = f"step {latest} is the latest intact checkpoint" if latest is not None else "no checkpoint is intact"
             raise RunError(f"checkpoint step {step} could not be written to {self.directory}: "
