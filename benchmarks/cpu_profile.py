@@ -11,8 +11,8 @@ out of stacked arrays (a scanned loop's residuals), and the other fusions (eleme
 Thunks run on several threads at once (one per core), so the kinds can add up past the step's
 wall time. The largest single thunks are listed with the HLO operation they come from.
 
-Then the same step by part of the model against PyTorch's (benchmarks/torch_reference.py, from
-the same parameters and batches, torch.profiler's self time per operator): the attention kernel,
+Then the same step by part of the model against PyTorch's (benchmarks/_torch_side.py in a process
+of its own, from the same parameters and batches, torch.profiler's self time per operator): the attention kernel,
 the other matmuls, the rest of the forward and backward passes (norms, activations, rotary, loss,
 copies), and the optimizer with clipping and metrics. Run it on one core (`taskset -c 0`) to
 compare the two in the same unit: each side then spends one thread's time, part by part.
@@ -30,12 +30,15 @@ os.environ["XLA_FLAGS"] += " --xla_cpu_enable_xprof_traceme=true"
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import re  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import _worker  # noqa: E402
 import jax  # noqa: E402
-from torch_reference import SHAPES, SMOKE  # noqa: E402
+from _torch_side import PARTS  # noqa: E402
+from torch_reference import SHAPES, SMOKE, hand_over, torch_env  # noqa: E402
 
 from jaxscale.kernels import flash  # noqa: E402
 
@@ -69,8 +72,6 @@ def thunk_times(trace_dir: Path) -> collections.Counter:
     return times
 
 
-PARTS = ("attention", "other matmuls", "rest of forward and backward", "optimizer, clipping, metrics")
-TORCH_MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm"}
 
 
 def part_of(kind: str, op_name: str) -> str:
@@ -83,30 +84,18 @@ def part_of(kind: str, op_name: str) -> str:
     return PARTS[2] if not op_name or op_name.startswith(("jvp(", "transpose(")) else PARTS[3]
 
 
-def torch_part_of(op: str) -> str:
-    if "scaled_dot_product" in op:
-        return PARTS[0]
-    if op in TORCH_MATMULS:
-        return PARTS[1]
-    return PARTS[3] if "_foreach" in op or "adam" in op.lower() else PARTS[2]
-
-
 def torch_parts(run, state, steps: int) -> dict:
-    """PyTorch's step on the same parameters and batches: ms per step by part (self time per
-    operator, torch.profiler), and its wall time per step."""
-    import torch
-    from torch.profiler import ProfilerActivity
-    from torch_reference import torch_side
-
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
-    _, timed = torch_side(run, state)
-    timed(3)
-    with torch.profiler.profile(activities=[ProfilerActivity.CPU]) as prof:
-        wall = timed(steps)
-    parts = collections.Counter()
-    for event in prof.key_averages():
-        parts[torch_part_of(event.key)] += event.self_cpu_time_total / 1e3 / steps
-    return {"step_ms": wall * 1e3, "parts_ms": {p: parts[p] for p in PARTS}, "threads": torch.get_num_threads()}
+    """PyTorch's step on the same parameters and batches, in a process of its own
+    (benchmarks/_torch_side.py): ms per step by part (self time per operator, torch.profiler),
+    its wall time per step, and its threads."""
+    with tempfile.TemporaryDirectory() as tmp:
+        hand_over(run, state, Path(tmp), 3 + steps)
+        theirs = _worker.Worker([sys.executable, str(Path(__file__).with_name("_torch_side.py")), tmp],
+                                env=torch_env())
+        theirs.ask("time", 3)
+        parts = theirs.ask("profile", steps)
+        theirs.close()
+    return parts
 
 
 def op_names(hlo: str) -> dict[str, str]:

@@ -1,33 +1,43 @@
 """jaxscale's train step against the same model, batch and optimizer written in PyTorch, on one CPU device.
 
-    python benchmarks/torch_reference.py [--shapes=tiny,gpt2] [--rounds=7] [--steps=10] [--warmup=60]
-        [--override=a.b=v ...] [--json] [--append] [--smoke]
+    python benchmarks/torch_reference.py [--shapes=tiny,gpt2] [--rounds=15] [--steps=10] [--warmup=60]
+        [--override=a.b=v ...] [--torch_in_process] [--json] [--append] [--smoke]
 
 Shapes: `tiny` is configs/tiny.py (Llama-style: RMSNorm, RoPE, grouped-query attention, SwiGLU,
 tied embeddings; batch 16 x 128); `gpt2` is nanoGPT's CPU example (4 layers, width 128, 4 heads,
 MLP 512, LayerNorm with biases, learned positions, tanh GELU, byte vocabulary, batch 12 x 64).
-The PyTorch side is written as a well-kept PyTorch script would: one module per layer,
-F.scaled_dot_product_attention (causal, GQA), F.cross_entropy, clip_grad_norm_, torch.optim.AdamW
-(foreach) with the same decay mask and learning-rate schedule; eager mode, torch's default
-threads. It starts from jaxscale's initial parameters and takes jaxscale's batches, so the
-first two losses must agree (checked): the two sides compute the same thing. jaxscale runs its
-compiled train step (metrics, clipping, guard included) on its own data pipeline.
-Rounds interleave the two, `--steps` steps each, after `--warmup` steps of each (steady state: in
-its first tens of steps jaxscale's heap still grows, jaxscale/cpu_malloc.py); medians over
-rounds, ratio jaxscale / torch.
+The PyTorch side (benchmarks/_torch_side.py) is written as a well-kept PyTorch script would: one
+module per layer, F.scaled_dot_product_attention (causal, GQA), F.cross_entropy,
+clip_grad_norm_, torch.optim.AdamW (foreach) with the same decay mask and learning rates; eager
+mode, torch's default threads. It starts from jaxscale's initial parameters and takes jaxscale's
+batches (handed over in a file), so the first two losses must agree (checked): the two sides
+compute the same thing. jaxscale runs its compiled train step (metrics, clipping, guard
+included) on its own data pipeline.
+
+Each side runs in a fresh process of its own: PyTorch's never imports JAX or jaxscale (checked,
+reported as torch_process_imported), so neither runtime's threads, heap or malloc settings slow
+the other. This driver imports neither until it reports. Rounds alternate between the two
+processes, `--steps` steps each, after `--warmup` steps of each (steady state: in its first tens
+of steps jaxscale's heap still grows, jaxscale/cpu_malloc.py); medians over rounds, ratio
+jaxscale / torch. `--torch_in_process` adds a third column: PyTorch's step inside the jaxscale
+process, as it runs beside JAX.
 """
 
 from __future__ import annotations
 
 import _common  # noqa: I001  (first: puts this checkout's jaxscale on sys.path)
 
-_common.fake_cpu_devices(1)
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import time  # noqa: E402
-
-import numpy as np  # noqa: E402
+import _worker
+import numpy as np
 
 SHAPES = {
     "tiny": [],
@@ -36,192 +46,147 @@ SHAPES = {
              "train.global_batch_size=12"],
 }
 SMOKE = ["model.num_layers=1", "train.global_batch_size=4", "train.seq_len=32"]
+SPEC = ("family", "num_layers", "d_model", "num_heads", "rope_theta", "norm_eps")  # what the PyTorch model reads
+OPTIM = ("lr", "b1", "b2", "eps", "weight_decay", "clip_norm")
 
 
-class TorchModel:
-    """The jaxscale model's math in PyTorch, its parameters copied from jaxscale's."""
-
-    def __init__(self, params: dict, spec):
-        import torch
-
-        self.spec, self.torch = spec, torch
-        flat = {}
-
-        def visit(prefix, node):
-            for key, value in node.items():
-                visit(f"{prefix}{key}.", value) if isinstance(value, dict) else flat.__setitem__(prefix + key, value)
-
-        visit("", params)
-        self.params = {k: torch.tensor(np.array(v), requires_grad=True) for k, v in flat.items()
-                       if not k.startswith("layers.")}
-        self.layers = [{k.removeprefix("layers."): torch.tensor(np.array(v[i]), requires_grad=True)
-                        for k, v in flat.items() if k.startswith("layers.")} for i in range(spec.num_layers)]
-        half = spec.d_model // spec.num_heads // 2
-        self.freq = spec.rope_theta ** (-torch.arange(half, dtype=torch.float32) / half)
-
-    def named(self):
-        yield from self.params.items()
-        for layer in self.layers:
-            yield from layer.items()
-
-    def _norm(self, x, p, name):
-        F = self.torch.nn.functional
-        if self.spec.family == "llama":
-            return F.rms_norm(x, (x.shape[-1],), p[f"{name}.scale"], self.spec.norm_eps)
-        return F.layer_norm(x, (x.shape[-1],), p[f"{name}.scale"], p[f"{name}.bias"], self.spec.norm_eps)
-
-    def _rope(self, x):  # [B, L, H, E], rotate-half form
-        angle = self.torch.arange(x.shape[1], dtype=self.torch.float32)[:, None] * self.freq
-        cos, sin = angle.cos()[:, None, :], angle.sin()[:, None, :]
-        x1, x2 = x.chunk(2, -1)
-        return self.torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-
-    def _project(self, h, p, name):
-        w = p[f"attn.w{name}"]
-        y = (h @ w.reshape(w.shape[0], -1)).view(*h.shape[:2], *w.shape[1:])
-        return y + p[f"attn.bias_{name}"] if self.spec.family == "gpt2" else y
-
-    def _attention(self, h, p):
-        F = self.torch.nn.functional
-        q, k, v = (self._project(h, p, name) for name in "qkv")
-        if self.spec.family == "llama":
-            q, k = self._rope(q), self._rope(k)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                             enable_gqa=q.shape[2] != k.shape[2])
-        wo = p["attn.wo"]
-        out = out.transpose(1, 2).reshape(*h.shape[:2], -1) @ wo.reshape(-1, wo.shape[-1])
-        return out + p["attn.bias_o"] if self.spec.family == "gpt2" else out
-
-    def _mlp(self, h, p):
-        F = self.torch.nn.functional
-        if self.spec.family == "llama":
-            return (F.silu(h @ p["mlp.w_gate"]) * (h @ p["mlp.w_up"])) @ p["mlp.w_down"]
-        return F.gelu(h @ p["mlp.w_in"] + p["mlp.bias_in"], approximate="tanh") @ p["mlp.w_out"] + p["mlp.bias_out"]
-
-    def loss(self, inputs, targets):
-        embed = self.params["embed"]
-        x = embed[inputs]
-        if self.spec.family == "gpt2":
-            x = x + self.params["pos_embed"][: inputs.shape[1]]
-        for p in self.layers:
-            x = x + self._attention(self._norm(x, p, "attn_norm"), p)
-            x = x + self._mlp(self._norm(x, p, "mlp_norm"), p)
-        logits = self._norm(x, self.params, "final_norm") @ embed.T
-        return self.torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def torch_stepper(params: dict, spec, optim_cfg, schedule, batches: list):
-    """(step() -> loss, timed(n) -> seconds per step): AdamW with jaxscale's decay mask and schedule."""
-    import torch
-
-    model = TorchModel(params, spec)
-    decay = [v for k, v in model.named() if not (k.endswith("scale") or k.split(".")[-1].startswith("bias"))]
-    rest = [v for k, v in model.named() if k.endswith("scale") or k.split(".")[-1].startswith("bias")]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": optim_cfg.weight_decay},
-                             {"params": rest, "weight_decay": 0.0}], lr=optim_cfg.lr,
-                            betas=(optim_cfg.b1, optim_cfg.b2), eps=optim_cfg.eps, foreach=True)
-    data = [tuple(torch.tensor(np.asarray(b[key]), dtype=torch.long) for key in ("inputs", "targets")) for b in batches]
-    count = [0]
-
-    def step() -> float:
-        inputs, targets = data[count[0] % len(data)]
-        for group in opt.param_groups:
-            group["lr"] = float(schedule(count[0]))
-        loss = model.loss(inputs, targets)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if optim_cfg.clip_norm > 0:
-            torch.nn.utils.clip_grad_norm_(decay + rest, optim_cfg.clip_norm, foreach=True)
-        opt.step()
-        count[0] += 1
-        return loss.item()
-
-    def timed(n: int) -> float:
-        start = time.perf_counter()
-        for _ in range(n):
-            step()
-        return (time.perf_counter() - start) / n
-
-    return step, timed
-
-
-def torch_side(run, state):
-    """torch_stepper from the run's initial parameters, on the run's first batches."""
+def hand_over(run, state, directory: Path, steps: int) -> None:
+    """What the PyTorch side (benchmarks/_torch_side.py) starts from: the run's initial parameters,
+    its first 8 training batches, its model and optimizer settings, its learning rates for `steps`."""
     import jax
 
     from jaxscale.data import make_data
     from jaxscale.optim import make_schedule
 
-    config = run.config
+    config, spec = run.config, run.model.spec
     same = make_data(config, run.batch_sharding).train_batches(0)
     held = [jax.device_get(next(same)) for _ in range(8)]
-    return torch_stepper(jax.device_get(state.params), run.model.spec, config.optim,
-                         make_schedule(config.optim, config.train.steps), held)
+    params = jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]
+    arrays = {"param/" + "/".join(str(getattr(k, "key", k)) for k in path): np.asarray(v) for path, v in params}
+    arrays.update({key: np.stack([np.asarray(b[key]) for b in held]) for key in ("inputs", "targets")})
+    np.savez(directory / "arrays.npz", **arrays)
+    schedule = make_schedule(config.optim, config.train.steps)
+    meta = {"spec": {k: getattr(spec, k) for k in SPEC}, "optim": {k: config.optim[k] for k in OPTIM},
+            "lrs": [float(schedule(i)) for i in range(steps)]}
+    (directory / "meta.json").write_text(json.dumps(meta))
 
 
-def compare(shape: str, overrides: list[str], rounds: int, steps: int, warmup: int) -> dict:
-    """One shape: the first two losses of each side, median step times and their ratio."""
+def jaxscale_side(overrides: list[str], handover: Path, steps: int, torch_too: bool) -> None:
+    """Serve the compiled train step (`loss`, `time N`) after writing the handover; with
+    `torch_too`, PyTorch's step in this same process too (`torch_loss`, `torch_time N`)."""
     import jax
 
     import _steps
 
     config = _common.tiny_config(overrides)
-    run, compiled, _, state, ours = _steps.prepare(config)
-    torch_step, torch_timed = torch_side(run, state)
-    losses = {"torch": [torch_step(), torch_step()], "jaxscale": []}
-    live = {"state": state, "batches": ours}
+    run, compiled, _, state, batches = _steps.prepare(config)
+    hand_over(run, state, handover, steps)
+    live = {"state": state}
 
-    def jax_timed(n: int) -> float:
-        start = time.perf_counter()
+    def run_steps(n: int) -> dict:
         for _ in range(n):
-            live["state"], metrics = compiled(live["state"], next(live["batches"]))
-            if len(losses["jaxscale"]) < 2:
-                losses["jaxscale"].append(float(metrics["loss"]))
-        jax.block_until_ready(metrics)
+            live["state"], metrics = compiled(live["state"], next(batches))
+        return metrics
+
+    def timed(n: int) -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(run_steps(n))
         return (time.perf_counter() - start) / n
 
-    jax_timed(max(warmup, 2))
-    torch_timed(max(warmup, 1))
-    times = {"jaxscale": [], "torch": []}
-    for _ in range(rounds):
-        times["jaxscale"].append(jax_timed(steps))
-        times["torch"].append(torch_timed(steps))
-    medians = {k: statistics.median(v) for k, v in times.items()}
-    return {"shape": shape, "overrides": overrides, "losses": losses,
-            "tokens": config.train.global_batch_size * config.train.seq_len,
-            "jaxscale_ms": medians["jaxscale"] * 1e3, "torch_ms": medians["torch"] * 1e3,
-            "ratio": medians["jaxscale"] / medians["torch"]}
+    commands = {"loss": lambda _: float(run_steps(1)["loss"]), "time": lambda n: timed(int(n)),
+                "tokens": lambda _: config.train.global_batch_size * config.train.seq_len}
+    if torch_too:
+        import _torch_side
+
+        torch_step, torch_timed = _torch_side.load(handover)
+        commands.update(torch_loss=lambda _: torch_step(), torch_time=lambda n: torch_timed(int(n)))
+    _worker.serve(commands)
 
 
-def _table(rows: list[dict], torch_version: str, threads: int) -> str:
-    lines = ["| shape | tokens/step | jaxscale ms/step | PyTorch ms/step | ratio jaxscale/torch "
-             "| first losses (jaxscale; torch) |", "|---|---|---|---|---|---|"]
+def sides(shape_overrides: list[str], handover: Path, steps: int, torch_too: bool = False):
+    """(jaxscale worker, PyTorch worker): the jaxscale side first, which writes the handover."""
+    me = [sys.executable, str(Path(__file__).resolve())]
+    extra = ["--torch_in_process"] if torch_too else []
+    ours = _worker.Worker([*me, "--side=jaxscale", f"--handover={handover}", f"--steps={steps}", *extra,
+                           *(f"--override={o}" for o in shape_overrides)])
+    theirs = _worker.Worker([sys.executable, str(Path(__file__).with_name("_torch_side.py")), str(handover)],
+                            env=torch_env())
+    return ours, theirs
+
+
+def torch_env() -> dict:
+    """The environment without what this harness set for JAX (its device flags and platform)."""
+    env = dict(os.environ)
+    for key in ("XLA_FLAGS", "JAX_PLATFORMS"):
+        env.pop(key, None)
+    return env
+
+
+def compare(shape: str, overrides: list[str], rounds: int, steps: int, warmup: int, torch_too: bool) -> dict:
+    """One shape: the first two losses of each side, median step times and their ratio; each
+    side in its own process, rounds alternating between them."""
+    keys = ("jaxscale", "torch") + (("torch_in_process",) if torch_too else ())
+    with tempfile.TemporaryDirectory() as tmp:
+        ours, theirs = sides(overrides, Path(tmp), 2 + max(warmup, 1) + rounds * steps, torch_too)
+        ask = {"jaxscale": lambda n: ours.ask("time", n), "torch": lambda n: theirs.ask("time", n),
+               "torch_in_process": lambda n: ours.ask("torch_time", n)}
+        losses = {"jaxscale": [ours.ask("loss") for _ in range(2)], "torch": [theirs.ask("loss") for _ in range(2)]}
+        if torch_too:
+            losses["torch_in_process"] = [ours.ask("torch_loss") for _ in range(2)]
+        for key in keys:
+            ask[key](max(warmup, 1))
+        times = {key: [] for key in keys}
+        for _ in range(rounds):
+            for key in keys:
+                times[key].append(ask[key](steps))
+        version, tokens = theirs.ask("version"), ours.ask("tokens")
+        imported = {"jaxscale": ours.close(), "torch": theirs.close()}
+    medians = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    row = {"shape": shape, "overrides": overrides, "losses": losses, "tokens": tokens,
+           "jaxscale_ms": medians["jaxscale"], "torch_ms": medians["torch"],
+           "ratio": medians["jaxscale"] / medians["torch"], "torch_process_imported": imported["torch"],
+           "torch_version": version["torch"], "torch_threads": version["threads"]}
+    if torch_too:
+        row["torch_in_process_ms"] = medians["torch_in_process"]
+    return row
+
+
+def _table(rows: list[dict]) -> str:
+    in_process = "torch_in_process_ms" in rows[0]
+    extra = " PyTorch in jaxscale's process, ms/step |" if in_process else ""
+    lines = ["| shape | tokens/step | jaxscale ms/step | PyTorch ms/step | ratio jaxscale/torch |" + extra
+             + " first losses (jaxscale; torch) |", "|---|---|---|---|---|---|" + ("---|" if in_process else "")]
     for r in rows:
         losses = "; ".join(", ".join(f"{x:.5f}" for x in r["losses"][k]) for k in ("jaxscale", "torch"))
+        cell = f" {r['torch_in_process_ms']:.1f} |" if in_process else ""
         lines.append(f"| {r['shape']} | {r['tokens']} | {r['jaxscale_ms']:.1f} | {r['torch_ms']:.1f} | "
-                     f"**{r['ratio']:.2f}** | {losses} |")
-    return "\n".join(lines) + f"\n\nPyTorch {torch_version}, {threads} threads, eager."
+                     f"**{r['ratio']:.2f}** |{cell} {losses} |")
+    r = rows[0]
+    return "\n".join(lines) + (f"\n\nEach side in its own process; PyTorch {r['torch_version']}, "
+                               f"{r['torch_threads']} threads, eager.")
 
 
 def main(argv=None) -> None:
-    import torch
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="tiny,gpt2")
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=60, help="steps of each side before the rounds")
     parser.add_argument("--override", action="append", default=[], help="a.b=value, as --config.a.b, for every shape")
+    parser.add_argument("--torch_in_process", action="store_true",
+                        help="also time PyTorch inside the jaxscale process, as it runs beside JAX")
+    parser.add_argument("--side", choices=["jaxscale"], help=argparse.SUPPRESS)  # a worker of the driver
+    parser.add_argument("--handover", type=Path, help=argparse.SUPPRESS)
     _common.add_flags(parser)
     args = parser.parse_args(argv)
+    _common.fake_cpu_devices(1)  # for the jaxscale side and the machine line; the PyTorch side drops it
+    if args.side:
+        return jaxscale_side(args.override, args.handover, args.steps, args.torch_in_process)
     rounds, steps, warmup = (1, 2, 0) if args.smoke else (args.rounds, args.steps, args.warmup)
-    rows = [compare(shape, SHAPES[shape] + (SMOKE if args.smoke else []) + args.override, rounds, steps, warmup)
-            for shape in args.shapes.split(",")]
-    result = {"benchmark": "torch_reference", "rows": rows, "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "rounds": rounds, "steps": steps, "warmup": warmup}
-    text = _common.entry("jaxscale against PyTorch on one CPU device", _table(rows, torch.__version__,
-                                                                              torch.get_num_threads()))
-    _common.report(args, text, result)
+    rows = [compare(shape, SHAPES[shape] + (SMOKE if args.smoke else []) + args.override, rounds, steps, warmup,
+                    args.torch_in_process) for shape in args.shapes.split(",")]
+    result = {"benchmark": "torch_reference", "rows": rows, "rounds": rounds, "steps": steps, "warmup": warmup}
+    _common.report(args, _common.entry("jaxscale against PyTorch on one CPU device", _table(rows)), result)
 
 
 if __name__ == "__main__":

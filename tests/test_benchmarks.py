@@ -136,7 +136,9 @@ def _check_torch_reference(out):
         # The PyTorch side starts from jaxscale's parameters and batches: the same math, the same
         # first two losses (forward, then one AdamW update), to float32 rounding.
         assert r["losses"]["torch"] == pytest.approx(r["losses"]["jaxscale"], rel=1e-4), r
-        assert r["jaxscale_ms"] > 0 and r["torch_ms"] > 0
+        assert r["losses"]["torch_in_process"] == pytest.approx(r["losses"]["torch"], rel=1e-6), r
+        assert r["torch_process_imported"] == []  # PyTorch's own process: no JAX runtime beside it
+        assert r["jaxscale_ms"] > 0 and r["torch_ms"] > 0 and r["torch_in_process_ms"] > 0
         assert r["ratio"] == pytest.approx(r["jaxscale_ms"] / r["torch_ms"])
 
 
@@ -156,7 +158,7 @@ def _check_cpu_profile(out):
 
 
 BENCHMARKS = {  # file -> (extra arguments, check of its JSON)
-    "torch_reference.py": ([], _check_torch_reference),
+    "torch_reference.py": (["--torch_in_process"], _check_torch_reference),
     "startup.py": ([], _check_startup),
     "cpu_profile.py": ([], _check_cpu_profile),
     "data.py": ([], _check_data),
