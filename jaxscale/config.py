@@ -170,7 +170,8 @@ def _add_operations(c: ml_collections.ConfigDict) -> None:
         run_name="",             # default: the workdir's name
         mlflow_uri="",           # default: sqlite:///WORKDIR/mlflow.db (MLflow's local store, no server)
         wandb_mode="",           # W&B's own setting (WANDB_MODE) unless online | offline | disabled
-        report=True,             # refresh WORKDIR/report.md and its plots at every evaluation and at the end
+        report=True,             # write WORKDIR/report.md and its plots at the end of the run, and refresh them
+        report_every_minutes=10.0,  # at an evaluation when this long has passed since the last (0 = at every one)
     )
     c.metrics = dict(
         progress=True,         # a console line per logged step (and a bar on a terminal);

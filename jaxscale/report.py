@@ -2,8 +2,9 @@
 
 A run's report, in its workdir: loss.png (loss and val_loss against step and tokens), lr.png,
 grad_norm.png, throughput.png (tokens/s and MFU) and report.md (config summary, mesh and
-sharding, final numbers, time per phase). Training refreshes it at every evaluation and at the
-end; this command draws it for any run, and with --compare overlays the other runs on the plots.
+sharding, final numbers, time per phase). Training writes it at the end and refreshes it at
+evaluations (tracking.report_every_minutes); this command draws it for any run, and with
+--compare overlays the other runs on the plots.
 Exit codes: 0 done, 2 bad input (one line on stderr).
 """
 

@@ -61,6 +61,7 @@ class Session:
     compile_s: float = 0.0
     _compiled: object = dataclasses.field(default=None, repr=False)
     _val: list | None = dataclasses.field(default=None, repr=False)
+    _reported: float = dataclasses.field(default_factory=time.perf_counter, repr=False)  # the last report
 
     def compiled(self):
         """The train step compiled ahead of time (once per session), so step times never include it."""
@@ -96,13 +97,18 @@ class Session:
         self.services.checkpointer.save(step, self.live.state, self.position(), meta, run.config.to_dict())
 
     def report(self, final: bool = False) -> None:
-        """Refresh the run report (process 0); at the end of a session also hand it, the config
-        and the last checkpoint's path to the tracker runs."""
+        """Refresh the run report (process 0) if tracking.report_every_minutes have passed since the
+        last refresh (or the session's start); at the end of a session always, and also hand it,
+        the config and the last checkpoint's path to the tracker runs."""
         if jax.process_index() != 0:
             return
+        tracking, now = self.run.config.tracking, time.perf_counter()
+        if not final and now - self._reported < tracking.report_every_minutes * 60:
+            return  # drawing takes about a second: not at every evaluation of a short run
+        self._reported = now
         checkpointer = self.services.checkpointer
         workdir = checkpointer.directory.parent
-        files = report_lib.write(workdir) if self.run.config.tracking.report else []
+        files = report_lib.write(workdir) if tracking.report else []
         if final:
             latest = checkpointer.latest_step()
             tags = {} if latest is None else {"last_checkpoint": str(checkpointer.directory / str(latest))}

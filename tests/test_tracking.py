@@ -81,16 +81,21 @@ def _is_png(path) -> bool:
     return path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and matplotlib.image.imread(path).shape[0] > 100
 
 
-def test_run_report_and_comparison(tiny_config, tmp_path):
-    tiny_config.tracking.report = True
+def test_run_report_and_comparison(tiny_config, tmp_path, monkeypatch):
+    written = []
+    monkeypatch.setattr(report, "write", lambda workdir, write=report.write: written.append(workdir) or write(workdir))
+    tiny_config.tracking.update(report=True, report_every_minutes=0)
     tiny_config.train.update(steps=6, log_every=2, eval_every=3)
     train(tiny_config, tmp_path / "a", show_progress=False)
+    assert written == [tmp_path / "a"] * 2  # at the evaluation of step 3, and at the end
     for name in report.PLOTS:
         assert _is_png(tmp_path / "a" / name), name
     text = (tmp_path / "a" / "report.md").read_text()
     assert "step 6: loss" in text and "val_loss" in text and "params/embed" in text and "goodput" in text
     tiny_config.optim.lr = 1e-3
+    tiny_config.tracking.report_every_minutes = 10  # the default: a run this short draws it once, at the end
     train(tiny_config, tmp_path / "b", show_progress=False)
+    assert written[2:] == [tmp_path / "b"]
     done = run_cli(["--workdir=" + str(tmp_path / "a"), "--compare", str(tmp_path / "b")], module="jaxscale.report",
                    devices=1)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import jax
 
-from jaxscale.errors import ConfigError, require
+from jaxscale.errors import ConfigError, require, require_non_negative
 from jaxscale.names import EXTRAS, WANDB_MODES, WRITERS
 
 
@@ -33,6 +33,7 @@ def check(config) -> None:
     require(mode in ("", *WANDB_MODES), "tracking.wandb_mode", mode,
             "choose online, offline or disabled (or leave it empty for W&B's default)")
     check_writers(config.tracking.writers)
+    require_non_negative(config, ("tracking.report_every_minutes",))
 
 
 def _writer(name: str, workdir: Path, config, run_id: str | None):
