@@ -51,6 +51,9 @@ def check_moe(config, sizes, rules) -> None:
     _check_router(m, config.model.num_layers)
     require(sizes["pipeline"] == 1, "mesh.pipeline", sizes["pipeline"], "pipeline parallelism does not run "
             "mixture-of-experts layers; set mesh.pipeline=1 (or model.moe.num_experts=0)")
+    require(m.capacity_factor > 0 or experts == 1, "model.moe.capacity_factor", m.capacity_factor,
+            f"dropless experts (0) run where each device holds every expert; with mesh.expert={experts} set a "
+            "capacity factor (num_experts/top_k drops nothing), or mesh.expert=1")
     hidden = m.d_ff or config.model.d_ff
     parts, axes = split_ways(rules["mlp"], sizes)
     require(hidden % parts == 0, "model.moe.d_ff", m.d_ff,
@@ -64,8 +67,8 @@ def _check_router(m, num_layers: int) -> None:
     """Routing settings of an MoE model (num_experts > 0): top_k, capacity, layer spacing, weights."""
     require(1 <= m.top_k <= m.num_experts, "model.moe.top_k", m.top_k,
             f"must be between 1 and model.moe.num_experts={m.num_experts}")
-    require(m.capacity_factor > 0, "model.moe.capacity_factor", m.capacity_factor,
-            "must be > 0 (0, dropless, is not implemented); a factor >= num_experts/top_k never drops a token")
+    require(m.capacity_factor >= 0, "model.moe.capacity_factor", m.capacity_factor,
+            "must be >= 0 (0 = dropless); a factor >= num_experts/top_k never drops a token either")
     require(m.every_n_layers >= 1 and num_layers % m.every_n_layers == 0, "model.moe.every_n_layers",
             m.every_n_layers, f"must be >= 1 and divide model.num_layers={num_layers}")
     require(m.d_ff >= 0, "model.moe.d_ff", m.d_ff, "must be >= 0 (0 = model.d_ff)")

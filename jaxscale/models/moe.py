@@ -1,10 +1,14 @@
-"""Mixture-of-experts MLP: a top-k softmax router, expert capacity, and expert parallelism.
+"""Mixture-of-experts MLP: a top-k softmax router, expert capacity or dropless grouped matmuls,
+and expert parallelism.
 
 Routing groups are sequences: each row of the batch routes its own L tokens, and each expert
 takes at most C = min(L, ceil(capacity_factor * L * top_k / num_experts)) of a row's
 assignments; the rest are dropped (the token keeps only its residual for that choice). Within a
 row every token's first choice queues before any second choice (GShard), and earlier tokens
-before later ones. The load-balancing loss is computed per row and averaged over rows, so
+before later ones. Dropless (capacity_factor 0) drops nothing: each device sorts its
+assignments by expert and runs the experts as grouped matmuls (`lax.ragged_dot`), no buffer
+padded to a capacity; it runs where each device holds every expert (mesh.expert=1). The
+load-balancing loss is computed per row and averaged over rows, so
 routing, drops and losses are the same however the batch is split over devices or microbatches.
 
 Expert parallelism: expert weights are split over the `expert` mesh axis, and so is the batch
@@ -60,7 +64,10 @@ class MoESpec:
 
 
 def capacity(length: int, spec: MoESpec) -> int:
-    """Slots per expert per row of `length` tokens."""
+    """Slots per expert per row of `length` tokens (dropless, capacity_factor 0: all `length`,
+    which no expert can overflow, as a token picks an expert at most once)."""
+    if spec.capacity_factor == 0:
+        return length
     return min(length, math.ceil(spec.capacity_factor * length * spec.top_k / spec.num_experts))
 
 
@@ -148,8 +155,11 @@ class MoE(nnx.Module):
         order = None if s.context == "none" else context.zigzag_order(length, s.mesh.shape[context.AXIS])
         routing = route(constrain(logits_BLX, ("batch", "act_length", None)), self.spec.top_k,
                         capacity(length, self.spec), order)
-        out_BLD = dispatch_combine(x_BLD, routing, self.experts(), self.spec.num_experts,
-                                   capacity(x_BLD.shape[1], self.spec), self.llama, self.strategy)
+        if self.spec.capacity_factor == 0:
+            out_BLD = dropless(x_BLD, routing, self.experts(), self.spec.num_experts, self.llama)
+        else:
+            out_BLD = dispatch_combine(x_BLD, routing, self.experts(), self.spec.num_experts,
+                                       capacity(x_BLD.shape[1], self.spec), self.llama, self.strategy)
         return out_BLD, dict(zip(STATS, (routing.aux_loss, routing.z_loss, routing.dropped)))
 
 
@@ -162,6 +172,36 @@ def expert_mlp(x_XTD, w: dict, llama: bool):
     h_XTF = jax.nn.gelu(jnp.einsum("XTD,XDF->XTF", x_XTD, w["w_in"]) + w["bias_in"][:, None], approximate=True)
     h_XTF = constrain(h_XTF, (None, "batch", "act_mlp"))
     return jnp.einsum("XTF,XFD->XTD", h_XTF, w["w_out"]) + w["bias_out"][:, None]
+
+
+def grouped_mlp(x_TD, experts_T, sizes_X, w: dict, llama: bool):
+    """Each expert's MLP on its own rows of x_TD, which are sorted by expert (sizes_X of each):
+    grouped matmuls (lax.ragged_dot), nothing padded to a capacity."""
+    def dot(a, b):
+        return jax.lax.ragged_dot(a, b.astype(a.dtype), sizes_X)
+
+    if llama:
+        h_TF = jax.nn.silu(dot(x_TD, w["w_gate"])) * dot(x_TD, w["w_up"])
+        return dot(h_TF, w["w_down"])
+    h_TF = jax.nn.gelu(dot(x_TD, w["w_in"]) + w["bias_in"][experts_T].astype(x_TD.dtype), approximate=True)
+    return dot(h_TF, w["w_out"]) + w["bias_out"][experts_T].astype(x_TD.dtype)
+
+
+def dropless(x_BLD, routing: Routing, w: dict, num_experts: int, llama: bool):
+    """sum_k weight_k * expert_k(x) for every token, no token dropped: this device's assignments
+    sorted by expert (stable: in token order within an expert), the experts as grouped matmuls,
+    the results put back in token order and combined with the router's weights."""
+    B, L, D = x_BLD.shape
+    k = routing.experts.shape[-1]
+    experts = routing.experts.reshape(B * L * k)
+    order = jnp.argsort(experts, stable=True)             # assignment at each sorted place
+    sizes = jnp.bincount(experts, length=num_experts).astype(jnp.int32)
+    x_TD = x_BLD.reshape(B * L, D)[order // k]
+    y_TD = grouped_mlp(x_TD, experts[order], sizes, w, llama)
+    y_BLKD = y_TD[jnp.argsort(order)].reshape(B, L, k, D)
+    out_BLD = jnp.einsum("BLKD,BLK->BLD", y_BLKD, routing.weights.astype(y_BLKD.dtype),
+                         preferred_element_type=jnp.float32)
+    return out_BLD.astype(x_BLD.dtype)
 
 
 def _slots(routing: Routing, num_experts: int, cap: int):
