@@ -64,6 +64,8 @@ def _add_model(c: ml_collections.ConfigDict) -> None:
                                        # 0 = dropless (grouped matmuls, nothing padded; mesh.expert=1)
             every_n_layers=1,          # layers n, 2n, ... (from 1) are MoE, the others dense
             d_ff=0,                    # expert hidden size; 0 = model.d_ff
+            num_shared=0,              # shared experts every token also goes through (DeepSeek-MoE):
+                                       # one dense MLP of num_shared x d_ff hidden units beside the router's
             aux_loss_weight=0.01,      # load-balancing loss (Switch/GShard) in the training loss
             z_loss_weight=0.001,       # router z-loss (mean logsumexp(logits)^2) in the training loss
         ),

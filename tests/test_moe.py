@@ -74,12 +74,14 @@ def test_top_1_keeps_the_raw_probability():
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-@pytest.mark.parametrize("capacity_factor", [1.0, 4.0, 0.0])
-def test_layer_equals_a_dense_reference(family, capacity_factor):
+@pytest.mark.parametrize("capacity_factor, shared", [(1.0, 0), (4.0, 0), (0.0, 0), (0.0, 2), (1.0, 1)])
+def test_layer_equals_a_dense_reference(family, capacity_factor, shared):
     """Dispatch, experts and combine equal running every expert on every token and summing the
-    kept choices with their weights (with drops at capacity factor 1; 0 is dropless)."""
+    kept choices with their weights (with drops at capacity factor 1; 0 is dropless), plus the
+    shared experts' MLP on every token."""
     spec = ModelSpec(family=family, num_layers=2, d_model=16, d_ff=32, num_heads=2, num_kv_heads=2,
-                     moe=MoESpec(num_experts=4, top_k=2, capacity_factor=capacity_factor), init_std=0.5)
+                     moe=MoESpec(num_experts=4, top_k=2, capacity_factor=capacity_factor, num_shared=shared),
+                     init_std=0.5)
     layer = MoE(spec, nnx.Rngs(0))
     x = jax.random.normal(jax.random.PRNGKey(1), (3, 10, 16))
     out, stats = layer(x)
@@ -89,6 +91,10 @@ def test_layer_equals_a_dense_reference(family, capacity_factor):
     every = every.reshape(4, 3, 10, 16)  # [expert, B, L, D]
     want = sum(r.weights[..., j, None] * jnp.take_along_axis(every, r.experts[None, ..., j, None], 0)[0]
                for j in range(2))
+    if shared:
+        hidden = (layer.shared.w_gate if family == "llama" else layer.shared.w_in)[...].shape
+        assert hidden == (16, 32 * shared)
+        want = want + layer.shared(x)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
     assert (float(stats["moe_dropped"]) > 0) == (capacity_factor == 1.0)
 
@@ -169,6 +175,15 @@ def test_the_tpu_compiler_runs_dropless_experts_as_ragged_dots_without_capacity_
     assert plans[0][1] < plans[4][1], plans
 
 
+def test_shared_experts_under_expert_parallelism_equal_one_device():
+    """Two shared experts beside the routed ones: expert=4 x data=2 equals one device (2 steps)."""
+    spec = _with(SPEC, num_shared=2)
+    one, split = _run(make_layout(1), spec), _run(make_layout(data=2, expert=4), spec)
+    for g, r in zip(split, one):
+        for key in ("loss", "grad_norm", "moe_aux_loss"):
+            np.testing.assert_allclose(g[key], r[key], rtol=1e-5, err_msg=key)
+
+
 def test_drops_and_accumulation_do_not_depend_on_the_layout():
     """Routing groups are sequences: with tokens dropped (capacity factor 1) and 2 accumulation
     steps, expert=4 x data=2 still equals one device without accumulation."""
@@ -234,6 +249,9 @@ def test_active_parameters_for_mfu():
     n = metrics_lib.matmul_params(model.shapes, SPEC)
     experts = 2 * 3 * 8 * 64 * 64  # 2 MoE layers x (gate, up, down) x 8 experts x d_model x expert d_ff
     assert metrics_lib.active_params(model.shapes, SPEC) == n - experts + experts * 2 // 8
+    shared = _with(SPEC, num_shared=2)  # every token uses the shared experts: all of them count
+    got = metrics_lib.active_params(LanguageModel(shared).shapes, shared)
+    assert got == n - experts + experts * 2 // 8 + 2 * 3 * 64 * 128
 
 
 # --- validation and the command line ----------------------------------------------------------

@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.models.layers import normal, zeros
+from jaxscale.models.layers import GeluMLP, SwiGLU, normal, zeros
 from jaxscale.models.strategy import Strategy
 from jaxscale.parallel import constrain as constrain_spec
 from jaxscale.parallel import context, current_mesh
@@ -59,6 +59,7 @@ class MoESpec:
     capacity_factor: float = 1.25
     every_n_layers: int = 1     # layer i (from 1) is MoE when i % every_n_layers == 0
     d_ff: int = 0               # expert hidden size; 0 = model.d_ff
+    num_shared: int = 0         # shared experts every token goes through (one MLP of num_shared x d_ff)
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
 
@@ -143,6 +144,9 @@ class MoE(nnx.Module):
             self.bias_in = zeros((X, F), EXPERT_AXES["bias_in"])
             self.w_out = normal(rngs, (X, F, D), EXPERT_AXES["w_out"], out_std)
             self.bias_out = zeros((X, D), EXPERT_AXES["bias_out"])
+        if m.num_shared:  # DeepSeek's shared experts: a dense MLP beside the routed ones
+            shared = dataclasses.replace(cfg, d_ff=m.num_shared * F)
+            self.shared = SwiGLU(shared, rngs) if self.llama else GeluMLP(shared, rngs)
 
     def experts(self) -> dict:
         names = ("w_gate", "w_up", "w_down") if self.llama else ("w_in", "bias_in", "w_out", "bias_out")
@@ -160,6 +164,8 @@ class MoE(nnx.Module):
         else:
             out_BLD = dispatch_combine(x_BLD, routing, self.experts(), self.spec.num_experts,
                                        capacity(x_BLD.shape[1], self.spec), self.llama, self.strategy)
+        if self.spec.num_shared:
+            out_BLD = out_BLD + self.shared(x_BLD)
         return out_BLD, dict(zip(STATS, (routing.aux_loss, routing.z_loss, routing.dropped)))
 
 
@@ -293,6 +299,7 @@ def dispatch_combine(x_BLD, routing: Routing, w: dict, num_experts: int, cap: in
 
 
 def expert_param_count(params: dict) -> int:
-    """Parameters of the expert MLPs (split over `expert`; a token uses top_k of num_experts)."""
+    """Parameters of the routed expert MLPs (split over `expert`; a token uses top_k of
+    num_experts): not the router, not the shared experts (every token uses them)."""
     mlp = params.get("layers", {}).get("moe", {}).get("mlp", {})
-    return sum(math.prod(v.shape) for k, v in mlp.items() if k != "router")
+    return sum(math.prod(v.shape) for k, v in mlp.items() if k not in ("router", "shared"))
