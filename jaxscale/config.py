@@ -67,6 +67,8 @@ def _add_model(c: ml_collections.ConfigDict) -> None:
             num_shared=0,              # shared experts every token also goes through (DeepSeek-MoE):
                                        # one dense MLP of num_shared x d_ff hidden units beside the router's
             aux_loss_weight=0.01,      # load-balancing loss (Switch/GShard) in the training loss
+            bias_rate=0.0,             # auxiliary-loss-free balancing (DeepSeek-V3): after each step every
+                                       # expert's selection bias moves this much towards an even load; 0 = off
             z_loss_weight=0.001,       # router z-loss (mean logsumexp(logits)^2) in the training loss
         ),
     )

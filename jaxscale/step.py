@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jaxscale import guard as guard_lib
 from jaxscale import state as state_lib
 from jaxscale.guard import GuardSpec
-from jaxscale.models import LanguageModel
+from jaxscale.models import LanguageModel, moe
 from jaxscale.models.precision import compute_dtype  # noqa: F401  (re-exported for callers)
 from jaxscale.offload import has_host, on_device
 from jaxscale.parallel import microbatch
@@ -79,7 +79,7 @@ def _grad_fn(spec: StepSpec):
 def _accumulate(params, batch: Batch, spec: StepSpec, grad_shardings=None):
     """Mean (metrics, grads) over spec.accum_steps microbatches, summed in float32. With
     `grad_shardings`, each microbatch's gradients and the running sum are kept there."""
-    grad_fn, names = _grad_fn(spec), ("loss",) + spec.model.stat_names
+    grad_fn, shapes = _grad_fn(spec), {"loss": (), **spec.model.stat_shapes}
 
     def place(grads):
         return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
@@ -88,7 +88,8 @@ def _accumulate(params, batch: Batch, spec: StepSpec, grad_shardings=None):
         metrics, grads = grad_fn(params, micro)
         return jax.tree.map(jnp.add, carry, (metrics, place(grads))), None
 
-    zeros = ({name: jnp.zeros((), jnp.float32) for name in names}, place(jax.tree.map(jnp.zeros_like, params)))
+    zeros = ({name: jnp.zeros(shape, jnp.float32) for name, shape in shapes.items()},
+             place(jax.tree.map(jnp.zeros_like, params)))
     total = jax.lax.scan(add, zeros, microbatch.split_tree(batch, spec.accum_steps))[0]
     return jax.tree.map(lambda x: x / spec.accum_steps, total)
 
@@ -138,12 +139,15 @@ def train_step(state: TrainState, batch: Batch, spec: StepSpec):
     state = _on_device(state, spec)
     stats, grads = loss_and_grads(state.params, batch, spec)
     loss = stats.pop("loss")  # what remains: an MoE model's router statistics
+    load = stats.pop(moe.LOAD, None)  # balancing by bias: each MoE layer's load per expert
     grads = jax.lax.with_sharding_constraint(grads, spec.grad_shardings)  # ZeRO-2: split over data
     grad_norm = optax.tree.norm(grads)
     accept, spike, guard_state = guard_lib.decide(spec.guard, state.guard, loss, grad_norm)
     updates, opt_state = spec.tx.update(grads, state.opt_state, state.params)
-    params, opt_state = guard_lib.select(accept, (optax.apply_updates(state.params, updates), opt_state),
-                                         (state.params, state.opt_state))
+    params = optax.apply_updates(state.params, updates)
+    if load is not None:
+        params = moe.balance(params, load, spec.model.spec.moe.bias_rate)
+    params, opt_state = guard_lib.select(accept, (params, opt_state), (state.params, state.opt_state))
     new = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                      rng=jax.random.fold_in(state.rng, state.step), guard=guard_state)
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": spec.schedule(state.step),

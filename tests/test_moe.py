@@ -65,6 +65,14 @@ def test_routing_by_hand():
     np.testing.assert_allclose(r.dropped, 6 / 16)
 
 
+def test_a_selection_bias_chooses_but_does_not_weigh():
+    """Balancing by bias (DeepSeek-V3): probabilities + bias pick the experts, the probabilities
+    alone weigh them. Row 1 prefers e2, e1 (0.5, 0.3); a bias of 0.4 on e0 makes it e0 (0.2 + 0.4), e2."""
+    r = route(jnp.asarray(np.log(PROBS[1:])), top_k=2, capacity_per_row=4, bias_X=jnp.array([0.4, 0.0, 0.0]))
+    np.testing.assert_array_equal(r.experts, [[[0, 2]] * 4])
+    np.testing.assert_allclose(r.weights, [[[0.2 / 0.7, 0.5 / 0.7]] * 4], rtol=1e-6)
+
+
 def test_top_1_keeps_the_raw_probability():
     """Switch: with one choice the weight is the router probability (not renormalised to 1)."""
     r = route(jnp.asarray(np.log(PROBS[:1]), jnp.float32), top_k=1, capacity_per_row=2)
@@ -182,6 +190,33 @@ def test_shared_experts_under_expert_parallelism_equal_one_device():
     for g, r in zip(split, one):
         for key in ("loss", "grad_norm", "moe_aux_loss"):
             np.testing.assert_allclose(g[key], r[key], rtol=1e-5, err_msg=key)
+
+
+def _biases(layout, spec, steps, accum=1):
+    """The selection biases after `steps` updates, and the metrics."""
+    model = LanguageModel(ModelSpec(**{**spec.__dict__, "strategy": Strategy.for_layout(layout)}))
+    tx, schedule = make_optimizer(config_lib.defaults().optim, 10)
+    state, shardings = initial_state(model, tx, layout, spec)
+    step = jit_train_step(StepSpec(model, tx, schedule, layout, shardings, accum))
+    for i in range(steps):
+        state, metrics = step(state, jax.device_put(_batch(seed=i), layout.batch_sharding()))
+    return np.asarray(state.params["layers"]["moe"]["mlp"]["bias_balance"]), jax.device_get(metrics)
+
+
+def test_bias_balancing_moves_each_bias_by_the_rate_the_same_on_any_layout():
+    """No auxiliary loss, biases only: after one step every bias is 0 or +-rate (up for an expert
+    below an even load, down above it), after two a multiple of the rate up to 2; expert=4 x
+    data=2 with 2 accumulation steps moves them exactly as one device does (the load is the
+    whole batch's)."""
+    spec = _with(SPEC, bias_rate=0.01, aux_loss_weight=0.0)
+    one, metrics = _biases(make_layout(1), spec, 1)
+    steps = np.round(one / 0.01, 4)
+    assert one.shape == (2, 8) and set(steps.ravel()) <= {-1, 0, 1} and {-1, 1} <= set(steps.ravel())
+    assert metrics["moe_max_load"] > 1  # some expert above an even share
+    two, _ = _biases(make_layout(1), spec, 2)
+    assert set(np.round(two / 0.01, 4).ravel()) <= {-2, -1, 0, 1, 2}
+    split, _ = _biases(make_layout(data=2, expert=4), spec, 2, accum=2)
+    np.testing.assert_allclose(split, two, atol=1e-7)
 
 
 def test_drops_and_accumulation_do_not_depend_on_the_layout():

@@ -73,5 +73,5 @@ def _check_router(m, num_layers: int) -> None:
             m.every_n_layers, f"must be >= 1 and divide model.num_layers={num_layers}")
     require(m.d_ff >= 0, "model.moe.d_ff", m.d_ff, "must be >= 0 (0 = model.d_ff)")
     require(m.num_shared >= 0, "model.moe.num_shared", m.num_shared, "must be >= 0 (0 = no shared experts)")
-    for key in ("aux_loss_weight", "z_loss_weight"):
+    for key in ("aux_loss_weight", "z_loss_weight", "bias_rate"):
         require(m[key] >= 0, f"model.moe.{key}", m[key], "must be >= 0")

@@ -7,8 +7,10 @@ assignments; the rest are dropped (the token keeps only its residual for that ch
 row every token's first choice queues before any second choice (GShard), and earlier tokens
 before later ones. Dropless (capacity_factor 0) drops nothing: each device sorts its
 assignments by expert and runs the experts as grouped matmuls (`lax.ragged_dot`), no buffer
-padded to a capacity; it runs where each device holds every expert (mesh.expert=1). The
-load-balancing loss is computed per row and averaged over rows, so
+padded to a capacity; it runs where each device holds every expert (mesh.expert=1). Balancing
+without an auxiliary loss (bias_rate > 0, DeepSeek-V3): a per-expert bias, added to the router's
+probabilities only to choose the experts, moves after each step towards an even load (`balance`).
+The load-balancing loss is computed per row and averaged over rows, so
 routing, drops and losses are the same however the batch is split over devices or microbatches.
 
 Expert parallelism: expert weights are split over the `expert` mesh axis, and so is the batch
@@ -44,6 +46,9 @@ from jaxscale.sharding import constrain
 
 AXIS = "expert"
 STATS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # per-step metrics, means over the MoE layers
+LOAD = "moe_load"  # a layer's share of the assignments per expert [X] (the model reports its max)
+MAX_LOAD = "moe_max_load"  # mean over MoE layers of the busiest expert's share x num_experts (1 = even)
+BIAS_PATH = "['layers']['moe']['mlp']['bias_balance']"  # the selection biases in the parameters
 # Logical axes of the expert weights: SwiGLU (llama) or GELU with biases (gpt2).
 EXPERT_AXES = {"w_gate": ("experts", "embed", "mlp"), "w_up": ("experts", "embed", "mlp"),
                "w_down": ("experts", "mlp", "embed"), "w_in": ("experts", "embed", "mlp"),
@@ -60,6 +65,7 @@ class MoESpec:
     every_n_layers: int = 1     # layer i (from 1) is MoE when i % every_n_layers == 0
     d_ff: int = 0               # expert hidden size; 0 = model.d_ff
     num_shared: int = 0         # shared experts every token goes through (one MLP of num_shared x d_ff)
+    bias_rate: float = 0.0      # auxiliary-loss-free balancing: the selection bias's step per update
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
 
@@ -85,7 +91,8 @@ class Routing(NamedTuple):
     dropped: jax.Array    # fraction of assignments dropped
 
 
-def route(logits_BLX, top_k: int, capacity_per_row: int, order: np.ndarray | None = None) -> Routing:
+def route(logits_BLX, top_k: int, capacity_per_row: int, order: np.ndarray | None = None,
+          bias_X=None) -> Routing:
     """Top-k softmax routing with per-row capacity, in float32. Queues fill in token order: with
     the tokens laid out in another (`order`: place i holds token order[i], the zig-zag layout of
     context parallelism), places are counted in token order all the same, so the same tokens are
@@ -93,12 +100,17 @@ def route(logits_BLX, top_k: int, capacity_per_row: int, order: np.ndarray | Non
 
     Combine weights are the chosen experts' probabilities, renormalised to sum to 1 when
     top_k > 1 (GShard, Mixtral); with top_k = 1 the raw probability (Switch), so the router
-    still learns from the main loss.
+    still learns from the main loss. `bias_X` (auxiliary-loss-free balancing, DeepSeek-V3) is
+    added to the probabilities to choose the experts only: the weights stay the probabilities.
     """
     logits = logits_BLX.astype(jnp.float32)
     B, L, X = logits.shape
     probs = jax.nn.softmax(logits, axis=-1)
-    top_p, experts = _top_k(probs, top_k)
+    if bias_X is None:
+        top_p, experts = _top_k(probs, top_k)
+    else:
+        _, experts = _top_k(probs + jax.lax.stop_gradient(bias_X.astype(jnp.float32)), top_k)
+        top_p = jnp.take_along_axis(probs, experts, axis=-1)
     gates = top_p / top_p.sum(-1, keepdims=True) if top_k > 1 else top_p
     chosen = jax.nn.one_hot(experts, X, dtype=jnp.int32)                  # [B, L, k, X]
     in_order = chosen if order is None else chosen[:, np.argsort(order)]
@@ -144,6 +156,8 @@ class MoE(nnx.Module):
             self.bias_in = zeros((X, F), EXPERT_AXES["bias_in"])
             self.w_out = normal(rngs, (X, F, D), EXPERT_AXES["w_out"], out_std)
             self.bias_out = zeros((X, D), EXPERT_AXES["bias_out"])
+        if m.bias_rate:  # moved by `balance` after each step, never by the optimizer (no gradient)
+            self.bias_balance = zeros((X,), ("router",))
         if m.num_shared:  # DeepSeek's shared experts: a dense MLP beside the routed ones
             shared = dataclasses.replace(cfg, d_ff=m.num_shared * F)
             self.shared = SwiGLU(shared, rngs) if self.llama else GeluMLP(shared, rngs)
@@ -153,12 +167,14 @@ class MoE(nnx.Module):
         return {name: getattr(self, name)[...] for name in names}
 
     def __call__(self, x_BLD):
-        """(out_BLD, {name: scalar} router statistics, see STATS)."""
+        """(out_BLD, router statistics: STATS' scalars and LOAD, this layer's share of the
+        assignments per expert)."""
         logits_BLX = jnp.einsum("BLD,DX->BLX", x_BLD.astype(jnp.float32), self.router[...].astype(jnp.float32))
         s, length = self.strategy, x_BLD.shape[1]
         order = None if s.context == "none" else context.zigzag_order(length, s.mesh.shape[context.AXIS])
+        bias = self.bias_balance[...] if self.spec.bias_rate else None
         routing = route(constrain(logits_BLX, ("batch", "act_length", None)), self.spec.top_k,
-                        capacity(length, self.spec), order)
+                        capacity(length, self.spec), order, bias)
         if self.spec.capacity_factor == 0:
             out_BLD = dropless(x_BLD, routing, self.experts(), self.spec.num_experts, self.llama)
         else:
@@ -166,7 +182,8 @@ class MoE(nnx.Module):
                                        capacity(x_BLD.shape[1], self.spec), self.llama, self.strategy)
         if self.spec.num_shared:
             out_BLD = out_BLD + self.shared(x_BLD)
-        return out_BLD, dict(zip(STATS, (routing.aux_loss, routing.z_loss, routing.dropped)))
+        load = routing.counts.sum(0) / routing.counts.sum()
+        return out_BLD, {**dict(zip(STATS, (routing.aux_loss, routing.z_loss, routing.dropped))), LOAD: load}
 
 
 def expert_mlp(x_XTD, w: dict, llama: bool):
@@ -303,3 +320,15 @@ def expert_param_count(params: dict) -> int:
     num_experts): not the router, not the shared experts (every token uses them)."""
     mlp = params.get("layers", {}).get("moe", {}).get("mlp", {})
     return sum(math.prod(v.shape) for k, v in mlp.items() if k not in ("router", "shared"))
+
+
+def balance(params: dict, load_GX, rate: float) -> dict:
+    """Auxiliary-loss-free balancing (DeepSeek-V3): each MoE layer's selection bias moves by
+    `rate` towards the experts that took less than an even share of the step's assignments
+    (load_GX: [MoE layers, experts], over the whole batch) and away from those that took more."""
+    def move(path, leaf):
+        if jax.tree_util.keystr(path) != BIAS_PATH:
+            return leaf
+        return leaf + (rate * jnp.sign(1.0 / load_GX.shape[-1] - load_GX)).astype(leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(move, params)

@@ -17,7 +17,7 @@ from jaxscale.errors import ConfigError
 from jaxscale.models import fp8
 from jaxscale.models.attention import KEPT, Placement, document_positions, resolve_impl
 from jaxscale.models.layers import AXES_KEY, INNER, RESIDUAL, Attention, GeluMLP, LayerNorm, RMSNorm, SwiGLU, normal
-from jaxscale.models.moe import STATS, MoE, MoESpec
+from jaxscale.models.moe import LOAD, MAX_LOAD, STATS, MoE, MoESpec
 from jaxscale.models.precision import compute_dtype
 from jaxscale.models.strategy import Strategy
 from jaxscale.models.vocab import Table, cross_entropy, embed
@@ -305,13 +305,16 @@ class Transformer(nnx.Module):
             if n > 1:
                 x, head = jax.lax.scan(dense_layer, x, (dense_p, head))
             x, tail, stats = moe_layer(x, moe_p, jax.tree.map(lambda c: c[n - 1], group_cache))
+            load = stats.pop(LOAD)
             group_cache = jax.tree.map(lambda h, t: jnp.concatenate([h, t[None]]), head, tail)
-            return (x, jax.tree.map(jnp.add, totals, stats)), group_cache
+            return (x, jax.tree.map(jnp.add, totals, stats)), (group_cache, load)
 
         zeros = {name: jnp.zeros((), jnp.float32) for name in STATS}
-        (x_BLD, totals), caches = jax.lax.scan(group, (x_BLD, zeros), (dense_params, moe_params, caches))
+        (x_BLD, totals), (caches, load_GX) = jax.lax.scan(group, (x_BLD, zeros), (dense_params, moe_params, caches))
         cache = jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), caches)
-        return x_BLD, cache, {name: total / groups for name, total in totals.items()}
+        stats = {name: total / groups for name, total in totals.items()}
+        stats[MAX_LOAD] = jnp.mean(load_GX.max(-1)) * load_GX.shape[-1]  # 1: every expert an even share
+        return x_BLD, cache, {**stats, LOAD: load_GX} if self.spec.moe.bias_rate else stats
 
 
 def _stacked(make_block, count: int, rngs: nnx.Rngs):
@@ -442,7 +445,18 @@ class LanguageModel:
     def stat_names(self) -> tuple[str, ...]:
         """The names of the statistics `loss` reports beside the loss: the router's (STATS) for
         an MoE model, and `z_loss` (mean squared log-sum-exp of the logits) when weighted."""
-        return (STATS if self.spec.moe.num_experts else ()) + (("z_loss",) if self.spec.z_loss_weight else ())
+        moe = (*STATS, MAX_LOAD) if self.spec.moe.num_experts else ()
+        return moe + (("z_loss",) if self.spec.z_loss_weight else ())
+
+    @property
+    def stat_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every statistic `loss` reports: stat_names' scalars, and with balancing by bias the
+        MoE layers' loads (moe.LOAD, [MoE layers, experts]) that the step moves the biases by."""
+        shapes = {name: () for name in self.stat_names}
+        m = self.spec.moe
+        if m.num_experts and m.bias_rate:
+            shapes[LOAD] = (self.spec.num_layers // m.every_n_layers, m.num_experts)
+        return shapes
 
     def extra_loss(self, stats: dict):
         """What the statistics add to the training objective: moe.aux_loss_weight x the load
