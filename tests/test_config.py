@@ -22,7 +22,7 @@ def _error(overrides, devices=8, config=None):
 
 def test_defaults_and_shipped_configs_validate():
     validate(config_lib.defaults(), 8)
-    for name in ("tiny", "gpt2_124m", "llama_1b", "llama3_8b"):
+    for name in ("tiny", "tiny_moe", "gpt2_124m", "llama_1b", "llama3_8b", "mixtral_8x7b"):
         config = config_lib.load(str(ROOT / "configs" / f"{name}.py"))
         validate(config, 8)
 
