@@ -12,7 +12,7 @@ class Stepper(NamedTuple):
     run: object       # the built jaxscale.build.Run
     timed: object     # () -> seconds per step over `steps` steps
     compiled: object  # the compiled train step, for what its program runs
-    live: dict        # {'state': the latest TrainState}
+    live: dict        # {'state': the latest TrainState, 'metrics': the latest step's metrics}
 
 
 def prepare(config, devices=None):
@@ -42,8 +42,8 @@ def stepper(config, steps: int = 1) -> Stepper:
     def timed() -> float:
         start = time.perf_counter()
         for _ in range(steps):
-            live["state"], metrics = compiled(live["state"], next(batches))
-        jax.block_until_ready(metrics)
+            live["state"], live["metrics"] = compiled(live["state"], next(batches))
+        jax.block_until_ready(live["metrics"])
         return (time.perf_counter() - start) / steps
 
     timed()

@@ -7,8 +7,10 @@ parameters, and with its experts split over the `expert` axis.
 The dense model is the same config with model.moe.num_experts=0: every MLP has model.d_ff hidden
 units, which tiny_moe sets to top_k x the experts' d_ff, so a token meets the same number of MLP
 weights either way (the router's few are the difference). Rows: dense and MoE on data=devices,
-then MoE with expert=2, 4 and `devices` (data the rest). Each compiles once; rounds interleave
-them (`--steps` steps each) and the table reports medians per step and the ratio to dense.
+MoE dropless (model.moe.capacity_factor=0) on data=devices, then MoE with expert=2, 4 and
+`devices` (data the rest). Each compiles once; rounds interleave them (`--steps` steps each)
+and the table reports medians per step, the ratio to dense, the compiled step's temporaries per
+device and the share of assignments the last step dropped.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ SMOKE = ["train.seq_len=32", "train.global_batch_size=8", "model.num_layers=2"] 
 
 def layouts(devices: int, smoke: bool = False) -> dict[str, list[str]]:
     """Row name -> overrides; with smoke, dense and expert=2 only."""
+    dropless = ["model.moe.capacity_factor=0"]
     if smoke:
-        return {"dense, data": ["model.moe.num_experts=0"], "moe, expert=2": ["mesh.expert=2"]}
-    rows = {"dense, data": ["model.moe.num_experts=0"], "moe, data": []}
+        return {"dense, data": ["model.moe.num_experts=0"], "moe dropless, data": dropless,
+                "moe, expert=2": ["mesh.expert=2"]}
+    rows = {"dense, data": ["model.moe.num_experts=0"], "moe, data": [], "moe dropless, data": dropless}
     for experts in sorted({2, 4, devices}):
         if experts <= devices and devices % experts == 0:
             rows[f"moe, expert={experts}"] = [f"mesh.expert={experts}"]
@@ -48,19 +52,23 @@ def measure(config_path: str, overrides: list[str], devices: int, rounds: int, s
         run, params = s.run, s.run.abstract_state.params
         rows.append({"layout": name, "step_s": medians[name], "mesh": dict(run.layout.mesh.shape),
                      "params": metrics_lib.matmul_params(params, run.model.spec),
-                     "active_params": metrics_lib.active_params(params, run.model.spec)})
+                     "active_params": metrics_lib.active_params(params, run.model.spec),
+                     "temp_bytes": s.compiled.memory_analysis().temp_size_in_bytes,
+                     "dropped": float(s.live["metrics"].get("moe_dropped", 0.0))})
     for row in rows:
         row["step_ratio"] = row["step_s"] / rows[0]["step_s"]
     return {"devices": devices, "rounds": rounds, "steps": steps, "rows": rows}
 
 
 def report(result: dict) -> str:
-    header = ["| model, layout | median step | vs dense | non-embedding params | active per token |",
-              "|---|---|---|---|---|"]
+    header = ["| model, layout | median step | vs dense | non-embedding params | active per token "
+              "| temporaries per device | assignments dropped |", "|---|---|---|---|---|---|---|"]
     return _common.entry(f"moe: against the dense model of equal active parameters on {result['devices']} devices",
                          "\n".join(header
                                    + [f"| {r['layout']} | {r['step_s'] * 1e3:,.1f} ms | {r['step_ratio']:.2f} "
-                                      f"| {r['params']:,} | {r['active_params']:,} |" for r in result["rows"]]))
+                                      f"| {r['params']:,} | {r['active_params']:,} | "
+                                      f"{_common.size_text(r['temp_bytes'])} | {r['dropped']:.1%} |"
+                                      for r in result["rows"]]))
 
 
 def main() -> None:

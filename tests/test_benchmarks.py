@@ -111,8 +111,10 @@ def _check_offload(out):
 
 def _check_moe(out):
     rows = {r["layout"]: r for r in out["rows"]}
-    assert list(rows) == ["dense, data", "moe, expert=2"]  # --smoke: two rows of a 2-layer model
-    dense, moe = rows["dense, data"], rows["moe, expert=2"]
+    assert list(rows) == ["dense, data", "moe dropless, data", "moe, expert=2"]  # --smoke: a 2-layer model
+    dense, moe, dropless = rows["dense, data"], rows["moe, expert=2"], rows["moe dropless, data"]
+    assert dropless["dropped"] == 0 and dropless["active_params"] == moe["active_params"]
+    assert all(r["temp_bytes"] > 0 for r in rows.values())
     assert moe["mesh"]["expert"] == 2 and moe["mesh"]["data"] == 4
     assert dense["params"] == dense["active_params"] < moe["active_params"] < moe["params"]
     assert moe["active_params"] - dense["active_params"] == 128 * 8  # the router: d_model x experts, 1 MoE layer
