@@ -157,6 +157,17 @@ Late(kept)
 logging.getLogger("absl").error("before")
 quiet.after_reported_failure()
 logging.getLogger("absl").error("after")
+async def fails():
+    raise ValueError("never retrieved")
+late = asyncio.new_event_loop()
+task = late.create_task(fails())
+late.run_until_complete(asyncio.sleep(0))  # the task ran and failed; nobody awaits it
+del task  # asyncio logs "Task exception was never retrieved" when it is collected
+Late(kept)  # an unraisable error after the failure
+import threading
+worker = threading.Thread(target=kept)
+worker.start()
+worker.join()
 print("jaxscale: error: last", file=sys.stderr)
 """
 
@@ -167,4 +178,5 @@ def test_after_a_reported_failure_orbax_and_closed_loops_say_nothing_more():
     lines = out.stderr.strip().splitlines()
     assert "Event loop is closed" not in out.stderr and "RuntimeError: kept" in out.stderr
     assert "ERROR:absl:before" in lines and "ERROR:absl:after" not in lines
+    assert "never retrieved" not in out.stderr and out.stderr.count("RuntimeError: kept") == 1
     assert lines[-1] == "jaxscale: error: last"

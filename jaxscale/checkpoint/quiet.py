@@ -1,16 +1,18 @@
 """Silence for a save that failed and was reported.
 
 When a write fails (a full disk), Orbax's other writer threads go on failing and log each
-failure with its traceback, and TensorStore's late completions print "Event loop is closed"
-tracebacks (from threads Python cannot join) once the loop that awaited them is gone. After the
-Checkpointer has turned the failure into one RunError, such reports would land after its line,
-where the user looks first (and on a loaded machine, at random).
+failure with its traceback; their asyncio tasks, never awaited again, log "Task exception was
+never retrieved" when they are collected (at exit, too); and TensorStore's late completions
+report errors (such as "Event loop is closed") through sys.unraisablehook from threads Python
+cannot join. After the Checkpointer has turned the failure into one RunError, such reports would
+land after its line, where the user looks first (and on a loaded machine, at random).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
 
 _hooked = False
 _dropped = False
@@ -35,17 +37,27 @@ def closed_loops() -> None:
     previous = sys.unraisablehook  # TensorStore reports a callback's error as unraisable
 
     def hook(unraisable):
-        if not _closed_loop(unraisable.exc_value):
+        if not (_dropped or _closed_loop(unraisable.exc_value)):
             previous(unraisable)
 
     sys.unraisablehook = hook
 
 
 def after_reported_failure() -> None:
-    """Drop Orbax's absl log records for the rest of the process: the failure they would go on
-    reporting has been raised as one RunError. Idempotent."""
+    """From now on drop what the failed save's machinery would still report: Orbax's absl
+    records, asyncio's (never-retrieved task exceptions), unraisable errors and the uncaught
+    errors of threads other than the main one. Idempotent."""
     global _dropped
-    if not _dropped:
-        _dropped = True
-        logging.getLogger("absl").addFilter(_DropAll())
     closed_loops()
+    if _dropped:
+        return
+    _dropped = True
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(_DropAll())
+    previous = threading.excepthook
+
+    def hook(args):
+        if args.thread is threading.main_thread():
+            previous(args)
+
+    threading.excepthook = hook
