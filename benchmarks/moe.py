@@ -8,9 +8,11 @@ The dense model is the same config with model.moe.num_experts=0: every MLP has m
 units, which tiny_moe sets to top_k x the experts' d_ff, so a token meets the same number of MLP
 weights either way (the router's few are the difference). Rows: dense and MoE on data=devices,
 MoE dropless (model.moe.capacity_factor=0) on data=devices, then MoE with expert=2, 4 and
-`devices` (data the rest). Each compiles once; rounds interleave them (`--steps` steps each)
-and the table reports medians per step, the ratio to dense, the compiled step's temporaries per
-device and the share of assignments the last step dropped.
+`devices` (data the rest), and dropless with expert=`devices` (on CPU the ragged exchange is
+emulated by padded all-to-alls: XLA:CPU has no ragged all-to-all). Each compiles once; rounds
+interleave them (`--steps` steps each) and the table reports medians per step, the ratio to
+dense, the compiled step's temporaries per device and the share of assignments the last step
+dropped.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def layouts(devices: int, smoke: bool = False) -> dict[str, list[str]]:
     for experts in sorted({2, 4, devices}):
         if experts <= devices and devices % experts == 0:
             rows[f"moe, expert={experts}"] = [f"mesh.expert={experts}"]
+    rows[f"moe dropless, expert={devices}"] = [*dropless, f"mesh.expert={devices}"]
     return rows
 
 

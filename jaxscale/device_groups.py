@@ -106,5 +106,6 @@ def sent_bytes(kind: str, result_bytes: int, n: int) -> float:
     if n <= 1:
         return 0.0
     factor = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n, "all-to-all": (n - 1) / n,
+              "ragged-all-to-all": (n - 1) / n,  # of its bytes bound (profile): even routing
               "reduce-scatter": n - 1, "collective-permute": 1.0}[kind]
     return factor * result_bytes

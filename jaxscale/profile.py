@@ -25,7 +25,10 @@ Counting rules (the contract every function here follows):
   the HLO text cannot say which branch is taken.
 * An instruction whose attributes break over lines (a Pallas kernel's metadata) is one line.
 * Async collectives count once, at their ``-start``; ``-done`` is skipped.
-* Bytes are those of the collective's result buffers on one device, summed.
+* Bytes are those of the collective's result buffers on one device, summed. A ragged
+  all-to-all moves what the routing decides at run time, at most the smaller of its operand
+  and its result (what a device holds to send, what it has room to receive): that bound is
+  its bytes.
 * `step_totals` also keeps each collective's device groups (`jaxscale.device_groups` reads
   which mesh axes they span); a fused reduce-scatter takes its inner all-reduce's groups.
 * `dot_flops` counts 2 x (result elements) x (contracted elements) per ``dot``,
@@ -42,7 +45,7 @@ from collections.abc import Iterator, Mapping
 
 from jaxscale import device_groups
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all", "ragged-all-to-all")
 
 Stats = dict[str, dict[str, int]]
 _AT = "@"  # a collective's key in a computation's totals: kind@device-groups
@@ -55,6 +58,7 @@ _HEADER = re.compile(r"(ENTRY\s+)?%?([^\s(){}]+)")
 _INSTRUCTION = re.compile(r"\s*(ROOT\s+)?%?([^\s=]+)\s*=\s*")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _FIRST_OPERAND = re.compile(r"dot\(\s*(?:([a-z][a-z0-9]*\[[^\]]*\])\S*\s+)?%?([^\s,()]+)")
+_FIRST_ARGUMENT = re.compile(r"\s*[\w\-]+\(\s*(?:([a-z][a-z0-9]*\[[^\]]*\])\S*\s+)?%?([^\s,()]+)")
 _OPERANDS = re.compile(r"\(\s*%?([^\s,()]+)\s*,\s*%?([^\s,()]+)\s*\)")
 _CONSTANT = re.compile(r"constant\((-?\d+)\)")
 _FUSED_REDUCE_SCATTER = re.compile(r"\bcalls=%?all-reduce-scatter")  # the TPU compiler's reduce-scatter fusions
@@ -250,7 +254,10 @@ def _parse_instruction(line: str, computation: _Computation, computations: dict[
     if kind in COLLECTIVES:
         # Callees of a collective are reduction lambdas, or (for async wrappers)
         # the same collective again: following them would double count.
-        computation.add(kind + _AT + device_groups.spec(rest), _result_bytes(opcode, shape))
+        nbytes = _result_bytes(opcode, shape)
+        if kind == "ragged-all-to-all":
+            nbytes = min(nbytes, _operand_bytes(rest, computation.shapes))
+        computation.add(kind + _AT + device_groups.spec(rest), nbytes)
         return
     if opcode.endswith(("-done", "-update")):
         return  # the matching -start already accounted for the work
@@ -328,6 +335,13 @@ def _callees(attributes: str, trip: int | None) -> Iterator[tuple[str, int]]:
             runs = trip + 1  # the condition is evaluated once more, to exit
         for name in _CALLEE_NAME.findall(value):
             yield name, runs
+
+
+def _operand_bytes(rest: str, shapes: dict[str, str]) -> int:
+    """Bytes of an instruction's first operand (typed inline, or an earlier instruction's)."""
+    first = _FIRST_ARGUMENT.match(rest)
+    shape = first.group(1) or shapes.get(first.group(2), "")
+    return sum(_array_bytes(dtype, dims) for dtype, dims in _ARRAY.findall(shape))
 
 
 def _result_bytes(opcode: str, shape: str) -> int:

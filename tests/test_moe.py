@@ -2,6 +2,7 @@
 against one device, PartitionSpecs, the planner, decoding, validation and the CLI."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -150,12 +151,17 @@ def test_expert_parallel_equals_one_device(reference, name):
     assert got[0]["moe_aux_loss"] > 0.9 and got[0]["moe_z_loss"] > 0
 
 
-@pytest.mark.parametrize("name", ["one_device", "data2_fsdp2"])
+DROPLESS_LAYOUTS = {"one_device": dict(data=1), "data2_fsdp2": dict(data=2, fsdp=2),
+                    "expert4_data2": dict(data=2, expert=4)}
+
+
+@pytest.mark.parametrize("name", DROPLESS_LAYOUTS)
 def test_dropless_equals_the_capacity_path_that_drops_nothing(reference, name):
-    """Grouped matmuls (capacity_factor 0) against slots with room for every token (factor 4):
-    loss, grad norm and router statistics of 2 steps within 1e-5, on one device and inside the
-    layers' map over data x fsdp; nothing dropped."""
-    layout = make_layout(1) if name == "one_device" else make_layout(data=2, fsdp=2)
+    """Grouped matmuls (capacity_factor 0) against slots with room for every token (factor 4) on
+    one device: loss, grad norm and router statistics of 2 steps within 1e-5, on one device,
+    inside the layers' map over data x fsdp, and with the experts split over expert=4 (rows
+    exchanged raggedly, parallel.ragged); nothing dropped."""
+    layout = make_layout(**DROPLESS_LAYOUTS[name])
     got = _run(layout, _with(SPEC, capacity_factor=0.0))
     for g, r in zip(got, reference):
         assert g["moe_dropped"] == 0
@@ -167,25 +173,30 @@ def test_the_tpu_compiler_runs_dropless_experts_as_ragged_dots_without_capacity_
     """tiny_moe (one dense and one MoE layer) on 8 v5e chips, one 512-token sequence a chip:
     dropless compiles to ragged dots, the capacity path to none, and its temporaries are below
     those of the capacity that drops nothing (8 experts, top-2: a factor of 4 gives every expert
-    a whole sequence)."""
+    a whole sequence). With the experts split over expert=4, the rows travel by ragged
+    all-to-all, there and back, forward and backward."""
     from jaxscale import plan as plan_lib
     from jaxscale import topology
 
     devices, _ = topology.compile_only_devices("v5e-8")
     plans = {}
-    for factor in (0, 4):
+    for factor, mesh in ((0, "data=8"), (4, "data=8"), (0, "expert=4")):
         config = config_lib.load(str(ROOT / "configs" / "tiny_moe.py"))
-        config_lib.apply_overrides(config, ["mesh.data=8", "train.global_batch_size=8", "train.seq_len=512",
+        config_lib.apply_overrides(config, [f"mesh.{mesh}", "train.global_batch_size=8", "train.seq_len=512",
                                             "model.num_layers=2", f"model.moe.capacity_factor={factor}"])
         run, compiled, _ = plan_lib.compile_plan(config, "tpu", devices)
-        plans[factor] = (compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes)
-    assert "ragged-dot" in plans[0][0] and "ragged-dot" not in plans[4][0]
-    assert plans[0][1] < plans[4][1], plans
+        plans[factor, mesh] = (compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes)
+    (dropless, _), (slots, _) = plans[0, "data=8"], plans[4, "data=8"]
+    assert "ragged-dot" in dropless and "ragged-dot" not in slots and "ragged-all-to-all" not in dropless
+    assert plans[0, "data=8"][1] < plans[4, "data=8"][1], plans
+    exchanged = plans[0, "expert=4"][0]
+    assert "ragged-dot" in exchanged and len(re.findall(r"= \S+ ragged-all-to-all\(", exchanged)) == 4
 
 
-def test_shared_experts_under_expert_parallelism_equal_one_device():
-    """Two shared experts beside the routed ones: expert=4 x data=2 equals one device (2 steps)."""
-    spec = _with(SPEC, num_shared=2)
+def test_dropless_shared_experts_untied_under_expert_parallelism_equal_one_device():
+    """Dropless, two shared experts beside the routed ones, an untied head: expert=4 x data=2
+    (rows exchanged raggedly) equals one device (2 steps)."""
+    spec = ModelSpec(**{**_with(SPEC, num_shared=2, capacity_factor=0.0).__dict__, "tie_embeddings": False})
     one, split = _run(make_layout(1), spec), _run(make_layout(data=2, expert=4), spec)
     for g, r in zip(split, one):
         for key in ("loss", "grad_norm", "moe_aux_loss"):
@@ -298,8 +309,6 @@ def test_active_parameters_for_mfu():
     (["model.moe.num_experts=6", "mesh.expert=4"], "model.moe.num_experts", "multiple of 4"),
     (["model.moe.num_experts=8", "model.moe.top_k=9"], "model.moe.top_k", "between 1 and"),
     (["model.moe.num_experts=8", "model.moe.capacity_factor=-1"], "model.moe.capacity_factor", "0 = dropless"),
-    (["model.moe.num_experts=8", "model.moe.capacity_factor=0", "mesh.expert=2"], "model.moe.capacity_factor",
-     "mesh.expert=1"),
     (["model.moe.num_experts=8", "model.moe.every_n_layers=3"], "model.moe.every_n_layers",
      "divide model.num_layers=4"),
     (["model.moe.num_experts=8", "mesh.pipeline=2"], "mesh.pipeline", "mesh.pipeline=1"),

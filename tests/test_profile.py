@@ -80,6 +80,16 @@ def test_all_gather_counts_result_not_operand():
     assert collective_stats(module(entry(line)))["all-gather"] == {"count": 1, "bytes": 8 * 128 * 4}
 
 
+def test_a_ragged_all_to_all_counts_what_can_move():
+    """At most the smaller of what a device holds (its operand) and has room for (its result):
+    the send of 6 rows into a 24-row buffer moves <= 6 rows, the way back <= 6 too."""
+    rows = ["%x = f32[6,4]{1,0} parameter(1)", "%big = f32[24,4]{1,0} broadcast(%p)"]
+    send = "%r1 = f32[24,4]{1,0} ragged-all-to-all(%x, %big, %o, %s, %o, %s), replica_groups={{0,1,2,3}}"
+    home = "%r2 = f32[6,4]{1,0} ragged-all-to-all(%r1, %x, %o, %s, %o, %s), replica_groups={{0,1,2,3}}"
+    stats = collective_stats(module(entry(*rows, send, home)))
+    assert stats["ragged-all-to-all"] == {"count": 2, "bytes": 2 * 6 * 4 * 4}
+
+
 @pytest.mark.parametrize("shape, nbytes", [
     ("bf16[3,5]{1,0}", 30), ("pred[7]{0}", 7), ("s8[9]{0}", 9), ("c128[2]{0}", 32),
     ("f32[]", 4), ("(f64[2]{0}, token[], u16[3]{0})", 22), ("f8e4m3fn[10]{0}", 10),

@@ -51,9 +51,6 @@ def check_moe(config, sizes, rules) -> None:
     _check_router(m, config.model.num_layers)
     require(sizes["pipeline"] == 1, "mesh.pipeline", sizes["pipeline"], "pipeline parallelism does not run "
             "mixture-of-experts layers; set mesh.pipeline=1 (or model.moe.num_experts=0)")
-    require(m.capacity_factor > 0 or experts == 1, "model.moe.capacity_factor", m.capacity_factor,
-            f"dropless experts (0) run where each device holds every expert; with mesh.expert={experts} set a "
-            "capacity factor (num_experts/top_k drops nothing), or mesh.expert=1")
     hidden = m.d_ff or config.model.d_ff
     parts, axes = split_ways(rules["mlp"], sizes)
     require(hidden % parts == 0, "model.moe.d_ff", m.d_ff,

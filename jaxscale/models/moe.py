@@ -7,7 +7,8 @@ assignments; the rest are dropped (the token keeps only its residual for that ch
 row every token's first choice queues before any second choice (GShard), and earlier tokens
 before later ones. Dropless (capacity_factor 0) drops nothing: each device sorts its
 assignments by expert and runs the experts as grouped matmuls (`lax.ragged_dot`), no buffer
-padded to a capacity; it runs where each device holds every expert (mesh.expert=1). Balancing
+padded to a capacity; over `expert` the sorted rows travel to their experts' devices and back
+by ragged all-to-all (parallel.ragged). Balancing
 without an auxiliary loss (bias_rate > 0, DeepSeek-V3): a per-expert bias, added to the router's
 probabilities only to choose the experts, moves after each step towards an even load (`balance`).
 The load-balancing loss is computed per row and averaged over rows, so
@@ -19,10 +20,11 @@ layer does. Dispatch and combine run in `shard_map` over the batch axes (`expert
 they split the batch, `data` and `fsdp`): each device scatters its own rows' tokens into a
 [rows, experts, C, D] buffer, one all-to-all over `expert` sends every expert's slots to the
 device holding that expert, the local experts run, and a second all-to-all brings the results
-back to be combined with the router's weights. Expert weights split over `fsdp` are gathered
-inside (their gradients reduce-scattered back, as FSDP does); `tensor` stays automatic and
-splits the experts' hidden dimension. (All-to-alls are manual over every batch axis because
-XLA gathers an operand's automatic dimensions before an all-to-all in a partly manual region.)
+back to be combined with the router's weights (dropless: the sorted rows, no slots, both ways).
+Expert weights split over `fsdp` are gathered inside (their gradients reduce-scattered back, as
+FSDP does); `tensor` stays automatic and splits the experts' hidden dimension. (All-to-alls
+are manual over every batch axis because XLA gathers an operand's automatic dimensions before
+an all-to-all in a partly manual region.)
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 from jaxscale.models.layers import GeluMLP, SwiGLU, normal, zeros
 from jaxscale.models.strategy import Strategy
 from jaxscale.parallel import constrain as constrain_spec
-from jaxscale.parallel import context, current_mesh
+from jaxscale.parallel import context, current_mesh, ragged
 from jaxscale.sharding import constrain
 
 AXIS = "expert"
@@ -175,11 +177,9 @@ class MoE(nnx.Module):
         bias = self.bias_balance[...] if self.spec.bias_rate else None
         routing = route(constrain(logits_BLX, ("batch", "act_length", None)), self.spec.top_k,
                         capacity(length, self.spec), order, bias)
-        if self.spec.capacity_factor == 0:
-            out_BLD = dropless(x_BLD, routing, self.experts(), self.spec.num_experts, self.llama)
-        else:
-            out_BLD = dispatch_combine(x_BLD, routing, self.experts(), self.spec.num_experts,
-                                       capacity(x_BLD.shape[1], self.spec), self.llama, self.strategy)
+        cap = 0 if self.spec.capacity_factor == 0 else capacity(length, self.spec)
+        out_BLD = dispatch_combine(x_BLD, routing, self.experts(), self.spec.num_experts, cap, self.llama,
+                                   self.strategy)
         if self.spec.num_shared:
             out_BLD = out_BLD + self.shared(x_BLD)
         load = routing.counts.sum(0) / routing.counts.sum()
@@ -210,19 +210,29 @@ def grouped_mlp(x_TD, experts_T, sizes_X, w: dict, llama: bool):
     return dot(h_TF, w["w_out"]) + w["bias_out"][experts_T].astype(x_TD.dtype)
 
 
-def dropless(x_BLD, routing: Routing, w: dict, num_experts: int, llama: bool):
-    """sum_k weight_k * expert_k(x) for every token, no token dropped: this device's assignments
+def _dropless(x_BLD, experts_BLK, weights_BLK, w: dict, *, num_experts: int, llama: bool, groups: int,
+              exchange: bool):
+    """sum_k weight_k * expert_k(x) for this device's rows, no token dropped: its assignments
     sorted by expert (stable: in token order within an expert), the experts as grouped matmuls,
-    the results put back in token order and combined with the router's weights."""
+    the results put back in token order and combined with the router's weights. With groups > 1
+    (inside shard_map over `expert`) the sorted rows travel to the devices owning their experts
+    and back (parallel.ragged; `exchange`: by lax.ragged_all_to_all, else emulated)."""
     B, L, D = x_BLD.shape
-    k = routing.experts.shape[-1]
-    experts = routing.experts.reshape(B * L * k)
+    k = experts_BLK.shape[-1]
+    experts = experts_BLK.reshape(B * L * k)
     order = jnp.argsort(experts, stable=True)             # assignment at each sorted place
     sizes = jnp.bincount(experts, length=num_experts).astype(jnp.int32)
     x_TD = x_BLD.reshape(B * L, D)[order // k]
-    y_TD = grouped_mlp(x_TD, experts[order], sizes, w, llama)
+    if groups == 1:
+        y_TD = grouped_mlp(x_TD, experts[order], sizes, w, llama)
+    else:
+        r, local = ragged.routes(sizes, AXIS, groups), num_experts // groups
+        rows_MD = ragged.send(x_TD, r, AXIS, groups * B * L * min(k, local), exchange)  # all that can come
+        which = jnp.searchsorted(jnp.cumsum(r.local_sizes), jnp.arange(rows_MD.shape[0]), side="right")
+        y_MD = grouped_mlp(rows_MD, jnp.minimum(which, local - 1), r.local_sizes, w, llama)
+        y_TD = ragged.back(y_MD, x_TD.shape[0], r, AXIS, exchange)
     y_BLKD = y_TD[jnp.argsort(order)].reshape(B, L, k, D)
-    out_BLD = jnp.einsum("BLKD,BLK->BLD", y_BLKD, routing.weights.astype(y_BLKD.dtype),
+    out_BLD = jnp.einsum("BLKD,BLK->BLD", y_BLKD, weights_BLK.astype(y_BLKD.dtype),
                          preferred_element_type=jnp.float32)
     return out_BLD.astype(x_BLD.dtype)
 
@@ -287,16 +297,24 @@ def _gather_weights(w: dict, specs: dict) -> dict:
 
 def dispatch_combine(x_BLD, routing: Routing, w: dict, num_experts: int, cap: int, llama: bool,
                      strategy: Strategy = Strategy()):
-    """sum_k weight_k * expert_k(x) for every token: with strategy.experts=all_to_all the experts
-    are split over `expert` (all-to-all inside shard_map), else they run on this program's devices."""
-    slots, weights = _slots(routing, num_experts, cap), routing.weights
+    """sum_k weight_k * expert_k(x) for every token, through capacity buffers of `cap` slots a
+    row, or dropless (cap 0): with strategy.experts=all_to_all the experts are split over
+    `expert` (exchanges inside shard_map), else they run on this program's devices."""
+    if cap:
+        assigned, run = _slots(routing, num_experts, cap), functools.partial(_local, num_experts=num_experts,
+                                                                              cap=cap, llama=llama)
+    else:
+        layout = strategy.layout
+        ragged = layout is not None and layout.mesh.devices.flat[0].platform != "cpu"
+        assigned, run = routing.experts, functools.partial(_dropless, num_experts=num_experts, llama=llama,
+                                                           exchange=ragged)
     if strategy.experts == "local":
-        return _local(x_BLD, slots, weights, w, num_experts=num_experts, cap=cap, llama=llama, groups=1)
+        return run(x_BLD, assigned, routing.weights, w, groups=1)
     layout = strategy.layout
-    run = functools.partial(_local, num_experts=num_experts, cap=cap, llama=llama, groups=layout.mesh.shape[AXIS])
+    run = functools.partial(run, groups=layout.mesh.shape[AXIS])
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and AXIS in context.manual_axes:  # in the layer's map (parallel.fsdp): w are this
-        return run(x_BLD, slots, weights, w)               # device's experts, gathered over fsdp already
+        return run(x_BLD, assigned, routing.weights, w)    # device's experts, gathered over fsdp already
     here = layout.inside(*(() if context.empty else context.manual_axes))  # axes still to split here
     batch = _entries(here.spec(("batch",)), 1)[0]  # the batch axes: manual inside, with `expert`
     specs, placed = {}, {}
@@ -306,13 +324,14 @@ def dispatch_combine(x_BLD, routing: Routing, w: dict, num_experts: int, cap: in
         specs[name] = [tuple(a for a in e if a in batch) for e in entries]
         placed[name] = constrain_spec(x, _spec(entries), layout.mesh)
 
-    def local(x, slots, weights, w):
-        return run(x, slots, weights, _gather_weights(w, specs))
+    def local(x, assigned, weights, w):
+        return run(x, assigned, weights, _gather_weights(w, specs))
 
     rows = P(_spec([batch])[0])
     return jax.shard_map(local, mesh=current_mesh(layout.mesh),
                          in_specs=(rows, rows, rows, {n: _spec(e) for n, e in specs.items()}),
-                         out_specs=rows, axis_names=set(batch), check_vma=False)(x_BLD, slots, weights, placed)
+                         out_specs=rows, axis_names=set(batch), check_vma=False)(
+                             x_BLD, assigned, routing.weights, placed)
 
 
 def expert_param_count(params: dict) -> int:
