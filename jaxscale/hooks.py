@@ -184,7 +184,8 @@ def _record(session: Session, s: Stretch, timing: dict) -> dict:
             "tokens": session.live.data_step * int(m["tokens"]), "tokens_per_sec": tokens_per_sec, **timing,
             "mfu": metrics_lib.mfu(tokens_per_sec, run.flops_per_token, run.layout.mesh.size, run.peak_tflops),
             "nonfinite_skips": int(m["nonfinite_skips"]), "spike_skips": int(m["spike_skips"]),
-            **{name: float(m[name]) for name in run.model.stat_names}, **session.data.stats(session.live.data_step)}
+            **{name: np.asarray(m[name]).tolist() for name in run.model.stat_shapes if name in m},
+            **session.data.stats(session.live.data_step)}
 
 
 def _roll_back(session: Session, step: int) -> bool:

@@ -212,7 +212,15 @@ def check_rules(config, sizes: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
         for axis in axes:
             require(axis in AXES, f"sharding.rules.{name}", ",".join(axes),
                     f"'{axis}' is not a mesh axis; use {', '.join(AXES)}")
+        require(name not in _DENSE_WEIGHTS or "expert" not in axes, f"sharding.rules.{name}", ",".join(axes),
+                "'expert' splits the experts of MoE layers (and the batch elsewhere), not dense weights; "
+                "split them over fsdp or tensor")
     return rules
+
+
+# Logical axes of the weights outside MoE layers' experts: layers gather what fsdp splits, and
+# use the experts' `expert` split as it is.
+_DENSE_WEIGHTS = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "position", "norm", "router")
 
 
 # Logical axis -> the config field holding that dimension's size.

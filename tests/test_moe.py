@@ -115,9 +115,9 @@ def _batch(rows=16, length=32, seed=0):
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-def _run(layout, spec=SPEC, accum=1, steps=2):
-    """Metrics of `steps` updates of `spec` on `layout` (fp32)."""
-    model = LanguageModel(ModelSpec(**{**spec.__dict__, "strategy": Strategy.for_layout(layout)}))
+def _run(layout, spec=SPEC, accum=1, steps=2, **strategy):
+    """Metrics of `steps` updates of `spec` on `layout` (fp32), and the last state."""
+    model = LanguageModel(ModelSpec(**{**spec.__dict__, "strategy": Strategy.for_layout(layout, **strategy)}))
     tx, schedule = make_optimizer(config_lib.defaults().optim, 10)
     state, shardings = initial_state(model, tx, layout, spec)
     step = jit_train_step(StepSpec(model, tx, schedule, layout, shardings, accum))
@@ -125,12 +125,12 @@ def _run(layout, spec=SPEC, accum=1, steps=2):
     for i in range(steps):
         state, metrics = step(state, jax.device_put(_batch(seed=i), layout.batch_sharding()))
         history.append(jax.device_get(metrics))
-    return history
+    return history, state
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return _run(make_layout(1))
+    return _run(make_layout(1))[0]
 
 
 LAYOUTS = {
@@ -143,7 +143,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_expert_parallel_equals_one_device(reference, name):
     """Loss, grad norm and router statistics of 2 steps within 1e-5 of one device; nothing dropped."""
-    got = _run(make_layout(**LAYOUTS[name]))
+    got = _run(make_layout(**LAYOUTS[name]))[0]
     for g, r in zip(got, reference):
         assert g["moe_dropped"] == 0 and r["moe_dropped"] == 0
         for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
@@ -162,7 +162,7 @@ def test_dropless_equals_the_capacity_path_that_drops_nothing(reference, name):
     inside the layers' map over data x fsdp, and with the experts split over expert=4 (rows
     exchanged raggedly, parallel.ragged); nothing dropped."""
     layout = make_layout(**DROPLESS_LAYOUTS[name])
-    got = _run(layout, _with(SPEC, capacity_factor=0.0))
+    got = _run(layout, _with(SPEC, capacity_factor=0.0))[0]
     for g, r in zip(got, reference):
         assert g["moe_dropped"] == 0
         for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
@@ -197,7 +197,7 @@ def test_dropless_shared_experts_untied_under_expert_parallelism_equal_one_devic
     """Dropless, two shared experts beside the routed ones, an untied head: expert=4 x data=2
     (rows exchanged raggedly) equals one device (2 steps)."""
     spec = ModelSpec(**{**_with(SPEC, num_shared=2, capacity_factor=0.0).__dict__, "tie_embeddings": False})
-    one, split = _run(make_layout(1), spec), _run(make_layout(data=2, expert=4), spec)
+    one, split = _run(make_layout(1), spec)[0], _run(make_layout(data=2, expert=4), spec)[0]
     for g, r in zip(split, one):
         for key in ("loss", "grad_norm", "moe_aux_loss"):
             np.testing.assert_allclose(g[key], r[key], rtol=1e-5, err_msg=key)
@@ -236,10 +236,40 @@ def test_drops_and_accumulation_do_not_depend_on_the_layout():
     """Routing groups are sequences: with tokens dropped (capacity factor 1) and 2 accumulation
     steps, expert=4 x data=2 still equals one device without accumulation."""
     spec = _with(SPEC, capacity_factor=1.0)
-    one, split = _run(make_layout(1), spec, steps=1), _run(make_layout(data=2, expert=4), spec, accum=2, steps=1)
+    one, split = _run(make_layout(1), spec, steps=1)[0], _run(make_layout(data=2, expert=4), spec, accum=2, steps=1)[0]
     assert one[0]["moe_dropped"] > 0.01
     for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_dropped"):
         np.testing.assert_allclose(split[0][key], one[0][key], rtol=1e-5, err_msg=key)
+
+
+KEYS = ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_dropped", "moe_max_load")
+
+
+def test_moe_in_pipeline_stages_under_1f1b_equals_one_device(reference):
+    """SPEC (two groups of a dense and an MoE layer) in 2 stages x expert=2 x data=2 under 1f1b
+    with 4 microbatches: loss, grad norm (the router losses' gradients included, differentiated
+    in the stage that routes) and router statistics (the loads summed over microbatches before
+    the busiest expert is taken) of 2 steps within 1e-5 of one device."""
+    got = _run(make_layout(pipeline=2, data=2, expert=2), schedule="1f1b", microbatches=4)[0]
+    for g, r in zip(got, reference):
+        for key in KEYS:
+            np.testing.assert_allclose(g[key], r[key], rtol=1e-5, err_msg=key)
+
+
+def test_dropless_balanced_moe_in_interleaved_and_zero_bubble_stages_equals_one_device():
+    """Every layer MoE, dropless, balancing by bias: 2 stages x 2 virtual stages (interleaved
+    1F1B: each stage's loads reach their layers' biases in layer order) and zero-bubble (the
+    backward split in B and W: statistics counted once) equal one device, biases included."""
+    spec = _with(SPEC, capacity_factor=0.0, every_n_layers=1, bias_rate=0.01, aux_loss_weight=0.0)
+    one, one_state = _run(make_layout(1), spec)
+    for schedule, virtual in (("interleaved_1f1b", 2), ("zero_bubble", 1)):
+        got, state = _run(make_layout(pipeline=2, data=2, expert=2), spec, schedule=schedule, microbatches=4,
+                          virtual_stages=virtual)
+        for g, r in zip(got, one):
+            for key in KEYS:
+                np.testing.assert_allclose(g[key], r[key], rtol=1e-5, err_msg=f"{schedule} {key}")
+        bias = state.params["layers"]["moe"]["mlp"]["bias_balance"]
+        np.testing.assert_allclose(bias, one_state.params["layers"]["moe"]["mlp"]["bias_balance"], atol=1e-7)
 
 
 # --- layout: PartitionSpecs, planner, decoding -----------------------------------------------
@@ -311,11 +341,16 @@ def test_active_parameters_for_mfu():
     (["model.moe.num_experts=8", "model.moe.capacity_factor=-1"], "model.moe.capacity_factor", "0 = dropless"),
     (["model.moe.num_experts=8", "model.moe.every_n_layers=3"], "model.moe.every_n_layers",
      "divide model.num_layers=4"),
-    (["model.moe.num_experts=8", "mesh.pipeline=2"], "mesh.pipeline", "mesh.pipeline=1"),
+    (["model.moe.num_experts=8", "model.moe.every_n_layers=2", "mesh.pipeline=2", "pipeline.virtual_stages=2",
+      "pipeline.schedule=interleaved_1f1b"], "model.num_layers", "multiple of 8 layers"),
+    (["model.moe.num_experts=8", "mesh.pipeline=2", "mesh.sequence=2", "pipeline.schedule=gpipe"],
+     "mesh.sequence", "mesh.sequence=1"),
     (["model.moe.num_experts=8", "model.moe.d_ff=100", "mesh.tensor=8", "mesh.data=1"], "model.moe.d_ff",
      "multiple of 8"),
     (["model.moe.num_experts=8", "mesh.expert=2", "sharding.rules.batch='data,fsdp'"], "sharding.rules.batch",
      "add expert"),
+    (["model.moe.num_experts=8", "mesh.expert=2", "sharding.rules.embed='fsdp,expert'"], "sharding.rules.embed",
+     "not dense weights"),
     (["model.moe.num_experts=8", "mesh.expert=4", "mesh.data=2", "train.global_batch_size=4"],
      "train.global_batch_size", "data x fsdp x expert"),
 ])
@@ -329,7 +364,10 @@ def test_bad_moe_input_names_field(overrides, field, words):
 
 def test_cli_expert_parallel_logs_the_one_device_loss(tmp_path):
     """The acceptance command: tiny_moe with expert=4 (data=-1 takes the other 2) logs the same
-    step-1 loss as expert=1, and the router statistics."""
+    step-1 loss as expert=1, and the router statistics: each expert's load (x 8, so they sum to
+    8), the busiest no more than the mean of each layer's busiest, one tracker scalar each."""
+    from jaxscale.tracking.fields import numeric
+
     records = {}
     for experts in (1, 4):
         workdir = tmp_path / f"expert{experts}"
@@ -341,8 +379,11 @@ def test_cli_expert_parallel_logs_the_one_device_loss(tmp_path):
     one, four = records[1], records[4]
     assert one["step"] == four["step"] == 1
     np.testing.assert_allclose(four["loss"], one["loss"], rtol=1e-5)
-    for key in ("moe_aux_loss", "moe_z_loss", "moe_dropped"):
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_dropped", "moe_expert_load"):
         np.testing.assert_allclose(four[key], one[key], rtol=1e-5, err_msg=key)
+    load = np.asarray(one["moe_expert_load"])
+    assert load.shape == (8,) and load.sum() == pytest.approx(8.0) and load.max() <= one["moe_max_load"] + 1e-6
+    assert numeric(one)["moe_expert_load/7"] == load[7]
 
 
 def test_hugging_face_export_refuses_an_moe_model():

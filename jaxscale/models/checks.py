@@ -49,8 +49,13 @@ def check_moe(config, sizes, rules) -> None:
                 f"model.moe.num_experts to a multiple of {experts}, or mesh.expert=1")
         return
     _check_router(m, config.model.num_layers)
-    require(sizes["pipeline"] == 1, "mesh.pipeline", sizes["pipeline"], "pipeline parallelism does not run "
-            "mixture-of-experts layers; set mesh.pipeline=1 (or model.moe.num_experts=0)")
+    if sizes["pipeline"] > 1:
+        chunks, groups = sizes["pipeline"] * config.pipeline.virtual_stages, config.model.num_layers // m.every_n_layers
+        require(groups % chunks == 0, "model.num_layers", config.model.num_layers,
+                f"a pipeline stage holds whole groups of model.moe.every_n_layers={m.every_n_layers} layers; "
+                f"{chunks} layer chunks need a multiple of {chunks * m.every_n_layers} layers")
+        require(sizes["sequence"] == 1, "mesh.sequence", sizes["sequence"], "MoE layers in pipeline stages run "
+                "under the schedule executor, which does not take context parallelism; set mesh.sequence=1")
     hidden = m.d_ff or config.model.d_ff
     parts, axes = split_ways(rules["mlp"], sizes)
     require(hidden % parts == 0, "model.moe.d_ff", m.d_ff,

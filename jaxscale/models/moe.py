@@ -50,6 +50,7 @@ AXIS = "expert"
 STATS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # per-step metrics, means over the MoE layers
 LOAD = "moe_load"  # a layer's share of the assignments per expert [X] (the model reports its max)
 MAX_LOAD = "moe_max_load"  # mean over MoE layers of the busiest expert's share x num_experts (1 = even)
+EXPERT_LOAD = "moe_expert_load"  # [X]: each expert's share x num_experts, mean over MoE layers (1 = even)
 BIAS_PATH = "['layers']['moe']['mlp']['bias_balance']"  # the selection biases in the parameters
 # Logical axes of the expert weights: SwiGLU (llama) or GELU with biases (gpt2).
 EXPERT_AXES = {"w_gate": ("experts", "embed", "mlp"), "w_up": ("experts", "embed", "mlp"),
@@ -295,6 +296,18 @@ def _gather_weights(w: dict, specs: dict) -> dict:
     return {name: whole(x, specs[name]) for name, x in w.items()}
 
 
+def _own(w: dict, local: int) -> dict:
+    """Inside a map manual over `expert`: this device's `local` experts of each expert weight.
+    The layer's map (parallel.fsdp) passes them so already; a pipeline stage (parallel.executor)
+    holds its layers' weights whole over the batch axes, so its expert weights are sliced here
+    (their gradients, zero elsewhere, are summed over the batch axes at the stage's edge)."""
+    def mine(x):
+        if x.shape[0] == local:
+            return x
+        return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(AXIS) * local, local, 0)
+    return {name: mine(x) for name, x in w.items()}
+
+
 def dispatch_combine(x_BLD, routing: Routing, w: dict, num_experts: int, cap: int, llama: bool,
                      strategy: Strategy = Strategy()):
     """sum_k weight_k * expert_k(x) for every token, through capacity buffers of `cap` slots a
@@ -313,8 +326,8 @@ def dispatch_combine(x_BLD, routing: Routing, w: dict, num_experts: int, cap: in
     layout = strategy.layout
     run = functools.partial(run, groups=layout.mesh.shape[AXIS])
     context = jax.sharding.get_abstract_mesh()
-    if not context.empty and AXIS in context.manual_axes:  # in the layer's map (parallel.fsdp): w are this
-        return run(x_BLD, assigned, routing.weights, w)    # device's experts, gathered over fsdp already
+    if not context.empty and AXIS in context.manual_axes:  # in the layer's map (parallel.fsdp) or a
+        return run(x_BLD, assigned, routing.weights, _own(w, num_experts // layout.mesh.shape[AXIS]))  # stage's
     here = layout.inside(*(() if context.empty else context.manual_axes))  # axes still to split here
     batch = _entries(here.spec(("batch",)), 1)[0]  # the batch axes: manual inside, with `expert`
     specs, placed = {}, {}

@@ -17,7 +17,7 @@ from jaxscale.errors import ConfigError
 from jaxscale.models import fp8
 from jaxscale.models.attention import KEPT, Placement, document_positions, resolve_impl
 from jaxscale.models.layers import AXES_KEY, INNER, RESIDUAL, Attention, GeluMLP, LayerNorm, RMSNorm, SwiGLU, normal
-from jaxscale.models.moe import LOAD, MAX_LOAD, STATS, MoE, MoESpec
+from jaxscale.models.moe import EXPERT_LOAD, LOAD, MAX_LOAD, STATS, MoE, MoESpec
 from jaxscale.models.precision import compute_dtype
 from jaxscale.models.strategy import Strategy
 from jaxscale.models.vocab import Table, cross_entropy, embed
@@ -281,40 +281,69 @@ class Transformer(nnx.Module):
     def _scan_groups(self, x_BLD, places, cache=None):
         """An MoE model's layers (see MoEStacks), scanned over groups: (x_BLD, the updated cache or
         None, the router statistics averaged over the MoE layers). Remat, as set, per layer."""
+        x_BLD, cache, totals, load_GX = self._groups()(nnx.to_pure_dict(nnx.split(self.layers)[1]), x_BLD,
+                                                       places, cache)
+        groups = self.spec.num_layers // self.spec.moe.every_n_layers
+        return x_BLD, cache, self.router_stats({name: total / groups for name, total in totals.items()}, load_GX)
+
+    def router_stats(self, means: dict, load_GX) -> dict:
+        """The reported statistics of an MoE model: STATS' means over its MoE layers, MAX_LOAD
+        and EXPERT_LOAD from each layer's load per expert (load_GX), and with balancing by bias
+        the loads."""
+        experts = load_GX.shape[-1]  # loads x experts: 1 is an even share
+        stats = {**means, MAX_LOAD: jnp.mean(load_GX.max(-1)) * experts, EXPERT_LOAD: load_GX.mean(0) * experts}
+        return {**stats, LOAD: load_GX} if self.spec.moe.bias_rate else stats
+
+    def _groups(self):
+        """run(the layers' params {'dense', 'moe'}, x_BLD, places, cache) -> (x_BLD, the updated
+        cache or None, STATS summed over the MoE layers, each MoE layer's load [groups, X]): the
+        groups in order, each n-1 dense layers and an MoE layer, on whichever groups the
+        parameters hold (all of them, or a pipeline stage's)."""
         n = self.spec.moe.every_n_layers
-        groups = self.spec.num_layers // n
         moe_def, moe_state = nnx.split(self.layers.moe)
         dense_def, dense_state = nnx.split(self.layers.dense) if n > 1 else (None, None)
-        moe_params, moe_dims = nnx.to_pure_dict(moe_state), self._stored_dims(moe_state)
-        dense_params = jax.tree.map(lambda p: p.reshape(groups, n - 1, *p.shape[1:]),
-                                    nnx.to_pure_dict(dense_state) if n > 1 else None)
+        moe_dims = self._stored_dims(moe_state)
         dense_dims = self._stored_dims(dense_state) if n > 1 else None
-        caches = jax.tree.map(lambda c: c.reshape(groups, n, *c.shape[1:]), cache)
 
-        def dense_layer(x, params_and_cache):
+        def dense_layer(x, params_and_cache, places):
             x, layer_cache, _ = self._layer(dense_def, dense_dims, params_and_cache[0], x, places, params_and_cache[1])
             return x, layer_cache
 
-        def moe_layer(x, params, layer_cache):
-            return self._layer(moe_def, moe_dims, params, x, places, layer_cache)
+        def run(params, x_BLD, places, cache):
+            groups = jax.tree.leaves(params["moe"])[0].shape[0]
+            dense_params = jax.tree.map(lambda p: p.reshape(groups, n - 1, *p.shape[1:]), params.get("dense"))
+            caches = jax.tree.map(lambda c: c.reshape(groups, n, *c.shape[1:]), cache)
 
-        def group(carry, xs):
-            x, totals = carry
-            dense_p, moe_p, group_cache = xs
-            head = jax.tree.map(lambda c: c[:n - 1], group_cache)
-            if n > 1:
-                x, head = jax.lax.scan(dense_layer, x, (dense_p, head))
-            x, tail, stats = moe_layer(x, moe_p, jax.tree.map(lambda c: c[n - 1], group_cache))
-            load = stats.pop(LOAD)
-            group_cache = jax.tree.map(lambda h, t: jnp.concatenate([h, t[None]]), head, tail)
-            return (x, jax.tree.map(jnp.add, totals, stats)), (group_cache, load)
+            def group(carry, xs):
+                x, totals = carry
+                dense_p, moe_p, group_cache = xs
+                head = jax.tree.map(lambda c: c[:n - 1], group_cache)
+                if n > 1:
+                    x, head = jax.lax.scan(lambda x, pc: dense_layer(x, pc, places), x, (dense_p, head))
+                x, tail, stats = self._layer(moe_def, moe_dims, moe_p, x, places,
+                                             jax.tree.map(lambda c: c[n - 1], group_cache))
+                load = stats.pop(LOAD)
+                group_cache = jax.tree.map(lambda h, t: jnp.concatenate([h, t[None]]), head, tail)
+                return (x, jax.tree.map(jnp.add, totals, stats)), (group_cache, load)
 
-        zeros = {name: jnp.zeros((), jnp.float32) for name in STATS}
-        (x_BLD, totals), (caches, load_GX) = jax.lax.scan(group, (x_BLD, zeros), (dense_params, moe_params, caches))
-        cache = jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), caches)
-        stats = {name: total / groups for name, total in totals.items()}
-        stats[MAX_LOAD] = jnp.mean(load_GX.max(-1)) * load_GX.shape[-1]  # 1: every expert an even share
-        return x_BLD, cache, {**stats, LOAD: load_GX} if self.spec.moe.bias_rate else stats
+            zeros = {name: jnp.zeros((), jnp.float32) for name in STATS}
+            (x_BLD, totals), (caches, load_GX) = jax.lax.scan(group, (x_BLD, zeros),
+                                                              (dense_params, params["moe"], caches))
+            return x_BLD, jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), caches), totals, load_GX
+
+        return run
+
+    def moe_stage_fn(self):
+        """run(a pipeline stage's layer params, x, places) -> (x, statistics): its groups (see
+        _groups) and, for the executor to add up over stages, STATS summed over its MoE layers
+        divided by the model's count of them, and its layers' loads [groups here, X]."""
+        groups, run = self.spec.num_layers // self.spec.moe.every_n_layers, self._groups()
+
+        def stage(params, x_BLD, places):
+            x_BLD, _, totals, load_GX = run(params, x_BLD, places, None)
+            return x_BLD, {**{name: total / groups for name, total in totals.items()}, LOAD: load_GX}
+
+        return stage
 
 
 def _stacked(make_block, count: int, rngs: nnx.Rngs):
@@ -376,9 +405,11 @@ class LanguageModel:
         the mean loss unchanged and saves putting the logits back in order."""
         (inputs_BL, targets_BL), places, _ = self._lay_out((inputs_BL, targets_BL), segments_BL)
         if self.spec.strategy.pipeline != "none" and self.spec.strategy.context == "none":
-            loss = self._pipelined_loss(params, inputs_BL, targets_BL, places)
-            return loss, {"loss": loss}
-        loss, stats = self._loss(params, inputs_BL, targets_BL, places)
+            return self._pipelined_loss(params, inputs_BL, targets_BL, places)
+        return self._objective(*self._loss(params, inputs_BL, targets_BL, places))
+
+    def _objective(self, loss, stats: dict):
+        """(training objective, metrics) from the mean cross entropy and the statistics."""
         return loss + self.extra_loss(stats), {"loss": loss, **stats}
 
     def _loss(self, params: dict, inputs_BL, targets_BL, places: Placement):
@@ -390,11 +421,12 @@ class LanguageModel:
         return loss, {**stats, "z_loss": z_loss} if self.spec.z_loss_weight else stats
 
     def _pipelined_loss(self, params: dict, inputs_BL, targets_BL, places: Placement):
-        """The mean loss as the pipeline schedule's executor computes it (forward and backward
-        in one table, parallel.executor): the embedding on the first stage, the head and the
-        loss on the last. With context parallelism inside the stages the step differentiates
-        the gpipe or circular forward instead (pipeline.check allows only those then): the
-        executor's stages take different branches at a tick, and the ring's collective
+        """(objective, metrics) as the pipeline schedule's executor computes them (forward and
+        backward in one table, parallel.executor): the embedding on the first stage, the head
+        and the loss on the last, an MoE stage's router losses differentiated where it runs.
+        With context parallelism inside the stages the step differentiates the gpipe or
+        circular forward instead (pipeline.check allows only those then, and no MoE layers):
+        the executor's stages take different branches at a tick, and the ring's collective
         permutes inside them deadlocked XLA:CPU, whose permutes meet across all devices."""
         s = self.spec.strategy
         params = jax.tree.map(lambda p: p.astype(self.spec.dtype), params)  # the executor's map gathers them
@@ -410,10 +442,25 @@ class LanguageModel:
             return model(outer).head_loss(x_BLD, targets_BL)[0]
 
         def primal(stacked, outer, tokens_BL, targets_BL, places):
-            return self._loss({**outer, "layers": stacked}, tokens_BL, targets_BL, places)[0]
+            return self._objective(*self._loss({**outer, "layers": stacked}, tokens_BL, targets_BL, places))
 
-        fns = (embed, model(outer).stage_fn(), head_loss, lambda x_BLD: constrain(x_BLD, RESIDUAL))
-        loss = executor.pipelined_loss(s.table(), fns, primal, s.mesh)
+        def finish(loss, stats):  # the stages' statistics [P * V, ...], in layer order
+            if not stats:
+                return self._objective(loss, {})
+            load = stats.pop(LOAD)
+            means = {name: value.sum(0) for name, value in stats.items()}
+            return self._objective(loss, model(outer).router_stats(means, load.reshape(-1, load.shape[-1])))
+
+        if self.spec.moe.num_experts:
+            stage = model(outer).moe_stage_fn()
+        else:
+            run_layers = model(outer).stage_fn()
+
+            def stage(params, x_BLD, places):
+                return run_layers(params, x_BLD, places), {}
+
+        fns = executor.Fns(embed, stage, head_loss, lambda x_BLD: constrain(x_BLD, RESIDUAL), self.extra_loss)
+        loss = executor.pipelined_loss(s.table(), fns, primal, finish, s.mesh)
         return loss(params["layers"], outer, inputs_BL, targets_BL, places)
 
     def _lay_out(self, arrays_BL: tuple, segments_BL):
@@ -450,10 +497,13 @@ class LanguageModel:
 
     @property
     def stat_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every statistic `loss` reports: stat_names' scalars, and with balancing by bias the
-        MoE layers' loads (moe.LOAD, [MoE layers, experts]) that the step moves the biases by."""
+        """Every statistic `loss` reports: stat_names' scalars, an MoE model's load per expert
+        (moe.EXPERT_LOAD, [experts]), and with balancing by bias the MoE layers' loads (moe.LOAD,
+        [MoE layers, experts]) that the step moves the biases by."""
         shapes = {name: () for name in self.stat_names}
         m = self.spec.moe
+        if m.num_experts:
+            shapes[EXPERT_LOAD] = (m.num_experts,)
         if m.num_experts and m.bias_rate:
             shapes[LOAD] = (self.spec.num_layers // m.every_n_layers, m.num_experts)
         return shapes

@@ -20,6 +20,11 @@ computes another's work and no activation is summed over `pipeline`. At the end 
 the gradients of the embedding and head (parameter-sized) are summed over `pipeline`, and
 everything over the batch's axes.
 
+A stage also returns statistics (an MoE stage: its router losses and loads). Each B action
+adds its chunk's to a per-chunk sum, and what they add to the objective (`Fns.extra`, linear)
+is differentiated with the stage: its cotangent is 1, as the head's loss's is. They come back
+per virtual stage, in layer order, averaged over the microbatches and batch shards.
+
 `pipelined_loss` wraps the executor as a jax.custom_vjp: its forward pass runs the table and
 keeps the gradients; the backward scales them by the incoming cotangent. Evaluated without
 differentiation, it runs `primal` instead (a forward-only pass).
@@ -30,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -41,6 +47,20 @@ from jaxscale.parallel import batch_axes, current_mesh, microbatch
 from jaxscale.parallel.schedules import B, F, Table, W
 
 AXIS = "pipeline"
+
+
+class Fns(NamedTuple):
+    """The model's parts the executor runs. embed(outer, tokens, places) -> x; stage(chunk
+    params, x, places) -> (x, statistics: a dict of float32 arrays, {} for none); head_loss(outer,
+    x, targets) -> mean loss of the microbatch's rows; place(x) -> x laid out as the model's
+    activations (every branch of the executor's conditionals states it, or the partitioner sees
+    branches disagree); extra(statistics) -> what they add to the objective (linear; 0.0 for none)."""
+
+    embed: Callable
+    stage: Callable
+    head_loss: Callable
+    place: Callable
+    extra: Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,17 +136,32 @@ class _State(NamedTuple):
     g_chunks: dict       # float32 gradients of this device's layer chunks, [V, ...]
     g_outer: dict        # float32 gradients of the embedding, final norm and head
     loss: jax.Array      # float32 sum of the microbatch losses computed here
+    stats: dict          # float32 sums of this device's chunks' statistics, [V, ...]
 
 
 class _Device:
     """One device inside the map: its layer chunks, the outer parameters, its microbatches, and
     one method per action kind, each (action row, state) -> (state, (sent ahead, sent back))."""
 
-    def __init__(self, fns, chunks, outer, tokens, targets, places):
-        self.embed, self.stage, self.head_loss, self.place = fns
+    def __init__(self, fns: Fns, chunks, outer, tokens, targets, places):
+        self.fns = fns
         self.chunks, self.outer, self.tokens, self.targets, self.places = chunks, outer, tokens, targets, places
-        x0 = jax.eval_shape(self.embed, outer, tokens[0], self.take(0))
+        x0 = jax.eval_shape(fns.embed, outer, tokens[0], self.take(0))
         self.zeros = self.place(jnp.zeros(x0.shape, x0.dtype))
+        virtual = jax.tree.leaves(chunks)[0].shape[0]
+        stats = jax.eval_shape(fns.stage, self.chunk(0), x0, self.take(0))[1]
+        self.no_stats = jax.tree.map(lambda s: jnp.zeros((virtual, *s.shape), jnp.float32), stats)
+
+    def embed(self, outer, tokens, places):
+        return self.fns.embed(outer, tokens, places)
+
+    def place(self, x):
+        return self.fns.place(x)
+
+    def stage(self, params, x, places):
+        """The chunk's output and (its statistics, what they add to the objective)."""
+        y, stats = self.fns.stage(params, x, places)
+        return y, (stats, jnp.asarray(self.fns.extra(stats), jnp.float32))
 
     def take(self, m):
         return jax.tree.map(lambda p: p[m], self.places)
@@ -138,7 +173,7 @@ class _Device:
         stash = functools.partial(jnp.zeros, dtype=self.zeros.dtype)
         zeros32 = functools.partial(jax.tree.map, lambda x: jnp.zeros(x.shape, jnp.float32))
         return _State(stash((slots.x_slots, *self.zeros.shape)), stash((slots.g_slots, *self.zeros.shape)),
-                      zeros32(self.chunks), zeros32(self.outer), jnp.zeros((), jnp.float32))
+                      zeros32(self.chunks), zeros32(self.outer), jnp.zeros((), jnp.float32), self.no_stats)
 
     def idle(self, a, state: _State):
         return state, (self.zeros, self.zeros)
@@ -150,43 +185,53 @@ class _Device:
         x = jax.lax.cond(a["first"] == 1, lambda: self.place(self.embed(self.outer, self.tokens[m], self.take(m))),
                          lambda: self.place(state.xs[a["x_slot"]]))
         y = jax.lax.cond(a["last"] == 1, lambda: self.zeros,
-                         lambda: self.place(self.stage(self.chunk(a["chunk"]), x, self.take(m))))
+                         lambda: self.place(self.stage(self.chunk(a["chunk"]), x, self.take(m))[0]))
         return state._replace(xs=state.xs.at[a["x_slot"]].set(x)), (y, self.zeros)
 
     def backward(self, a, state: _State, with_weights: bool = True):
         """The input gradient, sent back and, on the first chunk, on into the embedding; the
         weight gradients too unless W runs them apart."""
-        dp, do, dx, loss = self._grads(a, state)
+        dp, do, dx, loss, stats = self._grads(a, state)
         de = self._into_embedding(a, dx)
         if with_weights:
             state = self._add(state, a, dp, jax.tree.map(jnp.add, do, de))
         else:
             state = self._add(state, a, None, de)
-        return state._replace(loss=state.loss + loss), (self.zeros, dx.astype(self.zeros.dtype))
+        stats = jax.tree.map(lambda total, s: total.at[a["chunk"]].add(s), state.stats, stats)
+        return state._replace(loss=state.loss + loss, stats=stats), (self.zeros, dx.astype(self.zeros.dtype))
 
     def weight(self, a, state: _State):
-        dp, do, _, _ = self._grads(a, state)
+        dp, do, _, _, _ = self._grads(a, state)
         return self._add(state, a, dp, do), (self.zeros, self.zeros)
 
     def _no_outer(self):
         return jax.tree.map(jnp.zeros_like, self.outer)
 
     def _grads(self, a, state: _State):
-        """(chunk grads, outer grads, input grad, loss) of the action's chunk on its microbatch, by
-        jax.vjp from the kept input (the last chunk with the head and loss). What a caller drops
-        (B without W's grads, W's input grad) XLA removes."""
+        """(chunk grads, outer grads, input grad, loss, the chunk's statistics) of the action's
+        chunk on its microbatch, by jax.vjp from the kept input (the last chunk with the head and
+        loss), the statistics' share of the objective differentiated with it. What a caller
+        drops (B without W's grads, W's input grad) XLA removes."""
         c, m, x = a["chunk"], a["micro"], state.xs[a["x_slot"]]
 
         def at_last():
-            loss, vjp = jax.vjp(lambda p, o, x: self.head_loss(o, self.stage(p, x, self.take(m)), self.targets[m]),
-                                self.chunk(c), self.outer, x)
-            dp, do, dx = vjp(jnp.ones((), loss.dtype))
-            return dp, do, self.place(dx), loss.astype(jnp.float32)
+            def objective(p, o, x):
+                y, (stats, extra) = self.stage(p, x, self.take(m))
+                loss = self.fns.head_loss(o, y, self.targets[m]).astype(jnp.float32)
+                return loss + extra, (loss, stats)
+
+            _, vjp, (loss, stats) = jax.vjp(objective, self.chunk(c), self.outer, x, has_aux=True)
+            dp, do, dx = vjp(jnp.ones((), jnp.float32))
+            return dp, do, self.place(dx), loss, stats
 
         def inside():
-            _, vjp = jax.vjp(lambda p, x: self.stage(p, x, self.take(m)), self.chunk(c), x)
-            dp, dx = vjp(state.gs[a["g_slot"]])
-            return dp, self._no_outer(), self.place(dx), jnp.zeros((), jnp.float32)
+            def out(p, x):
+                y, (stats, extra) = self.stage(p, x, self.take(m))
+                return (y, extra), stats
+
+            _, vjp, stats = jax.vjp(out, self.chunk(c), x, has_aux=True)
+            dp, dx = vjp((state.gs[a["g_slot"]], jnp.ones((), jnp.float32)))
+            return dp, self._no_outer(), self.place(dx), jnp.zeros((), jnp.float32), stats
 
         return jax.lax.cond(a["last"] == 1, at_last, inside)
 
@@ -210,7 +255,8 @@ class _Device:
 
 
 def _run_table(the_plan: _Plan, device: _Device, stages: int, split: bool):
-    """The per-device loop over the table's ticks: (loss sum, chunk grads, outer grads)."""
+    """The per-device loop over the table's ticks: (loss sum, chunk grads, outer grads, chunk
+    statistics' sums)."""
     me = jax.lax.axis_index(AXIS)
     columns = {name: jnp.asarray(getattr(the_plan, name)) for name in
                ("kind", "micro", "chunk", "first", "last", "x_slot", "g_slot", "x_arrives", "g_arrives")}
@@ -228,7 +274,7 @@ def _run_table(the_plan: _Plan, device: _Device, stages: int, split: bool):
 
     zeros = device.zeros
     (state, _, _), _ = jax.lax.scan(tick, (device.start(the_plan), zeros, zeros), columns)
-    return state.loss, state.g_chunks, state.g_outer
+    return state.loss, state.g_chunks, state.g_outer, state.stats
 
 
 def _file(stash, slot, message):
@@ -237,14 +283,12 @@ def _file(stash, slot, message):
     return stash.at[at].set(jnp.where(slot >= 0, message, stash[at]))
 
 
-def run(table: Table, fns, stacked, outer, tokens_BL, targets_BL, places, mesh):
-    """(mean loss, gradients of the stacked layer params, of the outer params): the schedule run
-    over `pipeline` on M = table.microbatches microbatches of the batch. fns = (embed(outer,
-    tokens, places) -> x, stage(chunk params, x, places) -> x, head_loss(outer, x, targets) ->
-    mean loss of the microbatch's rows, place(x) -> x laid out as the model's activations: every
-    branch of the executor's conditionals states it, or the partitioner sees branches disagree);
-    stacked has the layer dimension first, split over `pipeline`; places is a pytree of [B, L]
-    arrays (positions, segment ids)."""
+def run(table: Table, fns: Fns, stacked, outer, tokens_BL, targets_BL, places, mesh):
+    """(mean loss, gradients of the stacked layer params and of the outer params, the stages'
+    statistics [P * V, ...] in layer order, means over the microbatches): the schedule run over
+    `pipeline` on M = table.microbatches microbatches of the batch, the gradients those of the
+    loss plus what the statistics add. stacked has the layer dimension first, split over
+    `pipeline`; places is a pytree of [B, L] arrays (positions, segment ids)."""
     stages, virtual, count = table.stages, table.virtual, table.microbatches
     the_plan, batch = plan(table), batch_axes(AXIS)
     scale = 1.0 / (count * math.prod(current_mesh(mesh).shape[a] for a in batch))
@@ -254,36 +298,43 @@ def run(table: Table, fns, stacked, outer, tokens_BL, targets_BL, places, mesh):
 
     def body(chunks, outer, tokens, targets, places):
         device = _Device(fns, jax.tree.map(lambda p: p[:, 0], chunks), outer, tokens, targets, places)
-        loss, g_chunks, g_outer = _run_table(the_plan, device, stages, table.split_backward)
+        loss, g_chunks, g_outer, stats = _run_table(the_plan, device, stages, table.split_backward)
         everywhere = (AXIS, *batch)
-        return (jax.lax.psum(loss, everywhere) * scale,
-                jax.tree.map(lambda g: (jax.lax.psum(g, batch) if batch else g)[:, None] * scale, g_chunks),
-                jax.tree.map(lambda g: jax.lax.psum(g, everywhere) * scale, g_outer))
+
+        def per_chunk(g):
+            return (jax.lax.psum(g, batch) if batch else g)[:, None] * scale
+
+        return (jax.lax.psum(loss, everywhere) * scale, jax.tree.map(per_chunk, g_chunks),
+                jax.tree.map(lambda g: jax.lax.psum(g, everywhere) * scale, g_outer), jax.tree.map(per_chunk, stats))
 
     rows = P(None, batch or None)
     split = functools.partial(microbatch.split, count=count)
     args = (jax.tree.map(regroup, stacked), outer, split(tokens_BL), split(targets_BL), jax.tree.map(split, places))
     specs = (P(None, AXIS), P(), rows, rows, jax.tree.map(lambda _: rows, places))
-    loss, g_chunks, g_outer = jax.shard_map(
-        body, mesh=current_mesh(mesh), in_specs=specs, out_specs=(P(), P(None, AXIS), P()),
+    loss, g_chunks, g_outer, stats = jax.shard_map(
+        body, mesh=current_mesh(mesh), in_specs=specs, out_specs=(P(), P(None, AXIS), P(), P(None, AXIS)),
         axis_names={AXIS, *batch}, check_vma=False)(*args)
     g_stacked = jax.tree.map(lambda g, p: g.reshape(p.shape).astype(p.dtype), g_chunks, stacked)
-    return loss, g_stacked, jax.tree.map(lambda g, p: g.astype(p.dtype), g_outer, outer)
+    stats = jax.tree.map(lambda s: s.reshape(virtual * stages, *s.shape[2:]), stats)  # [V, P, ...]: j = v*P + p
+    return loss, g_stacked, jax.tree.map(lambda g, p: g.astype(p.dtype), g_outer, outer), stats
 
 
-def pipelined_loss(table: Table, fns, primal, mesh):
-    """loss(stacked, outer, tokens, targets, places) as a jax.custom_vjp: differentiated, the
-    table runs forward and backward together (`run`); evaluated alone, primal(...) does."""
+def pipelined_loss(table: Table, fns: Fns, primal, finish, mesh):
+    """loss(stacked, outer, tokens, targets, places) -> (objective, metrics) as a
+    jax.custom_vjp: differentiated, the table runs forward and backward together (`run`) and
+    finish(mean loss, statistics [P * V, ...]) gives what primal(...) gives evaluated alone. The
+    metrics are not differentiated: their cotangent is ignored."""
     @jax.custom_vjp
     def loss(stacked, outer, tokens, targets, places):
         return primal(stacked, outer, tokens, targets, places)
 
     def forward(stacked, outer, tokens, targets, places):
-        value, g_stacked, g_outer = run(table, fns, stacked, outer, tokens, targets, places, mesh)
-        return value, (g_stacked, g_outer, tokens, targets, places)
+        value, g_stacked, g_outer, stats = run(table, fns, stacked, outer, tokens, targets, places, mesh)
+        return finish(value, stats), (g_stacked, g_outer, tokens, targets, places)
 
-    def backward(residuals, cotangent):
+    def backward(residuals, cotangents):
         g_stacked, g_outer, tokens, targets, places = residuals
+        cotangent = cotangents[0]
         scale = functools.partial(jax.tree.map, lambda g: (g * cotangent).astype(g.dtype))
         zero = functools.partial(jax.tree.map, lambda x: np.zeros(x.shape, jax.dtypes.float0))
         return scale(g_stacked), scale(g_outer), zero(tokens), zero(targets), zero(places)

@@ -5,9 +5,18 @@ from __future__ import annotations
 
 
 def numeric(record: dict) -> dict[str, float]:
-    """The record's numbers except the step (None, booleans and text left out)."""
-    return {k: float(v) for k, v in record.items()
-            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    """The record's numbers except the step (None, booleans and text left out); a list of
+    numbers (moe_expert_load) as one number per index, `name/i`."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    out = {}
+    for k, v in record.items():
+        if k != "step" and number(v):
+            out[k] = float(v)
+        elif isinstance(v, list) and v and all(number(x) for x in v):
+            out.update({f"{k}/{i}": float(x) for i, x in enumerate(v)})
+    return out
 
 
 def flat_config(config) -> dict[str, object]:
