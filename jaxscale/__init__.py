@@ -1,7 +1,8 @@
 """jaxscale: named-mesh parallel training for JAX."""
 
-__version__ = "0.1.0"
-__all__ = ["Trainer"]
+from jaxscale.version import __version__
+
+__all__ = ["Trainer", "__version__"]
 
 
 def __getattr__(name: str):

@@ -30,9 +30,10 @@ from jaxscale.progress import ProgressDisplay
 from jaxscale.runstate import RunState
 from jaxscale.tracing import TraceWindow
 from jaxscale.tracking import Tracker
+from jaxscale.version import __version__
 from jaxscale.workdir import WorkdirLock
 
-VERSIONS = {"jaxscale": version("jaxscale"), "jax": jax.__version__, "orbax": version("orbax-checkpoint")}
+VERSIONS = {"jaxscale": __version__, "jax": jax.__version__, "orbax": version("orbax-checkpoint")}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -159,3 +159,22 @@ def test_a_cycle_is_named_in_order():
     graph = {"p.a": {"p.b"}, "p.b": {"p.sub.c"}, "p.sub.c": {"p.a"}, "p.sub": {"p.a"}, "p": set()}
     assert cycles(graph) == [({"p.a", "p.b", "p.sub.c"}, ["p.a", "p.b", "p.sub.c", "p.a"])]
     assert cycles({"p.a": {"p.b"}, "p.b": set()}) == []
+
+
+def test_a_source_checkout_runs_without_being_installed():
+    """A clone whose dependencies are installed but jaxscale is not: no package metadata for
+    jaxscale. The session (what `python -m jaxscale.train` opens) takes the version from the
+    source tree, which is also where the installed package's version comes from."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    import jaxscale
+
+    code = ("import importlib.metadata as m\nreal = m.version\n"
+            "def version(name):\n    if name == 'jaxscale':\n        raise m.PackageNotFoundError(name)\n"
+            "    return real(name)\nm.version = version\n"
+            "from jaxscale import session\nprint(session.VERSIONS['jaxscale'])")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == jaxscale.__version__ == importlib.metadata.version("jaxscale")
