@@ -1,5 +1,7 @@
 """What every benchmark script shares: the --json/--append/--smoke flags, the machine line,
-printing on process 0 only, and appending a dated entry to RESULTS.md.
+printing on process 0 only, and writing its entry into benchmarks/results/<script>.md: one entry
+per configuration (its title), replaced by a new run of the same configuration; git keeps the
+history.
 
 Importing this module also puts the repository root first on sys.path, so that
 `python benchmarks/X.py` measures the jaxscale next to the script, not whichever checkout an
@@ -17,7 +19,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+RESULTS = ROOT / "benchmarks" / "results"
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -40,9 +42,10 @@ def tiny_config(overrides: list[str]):
 def add_flags(parser) -> None:
     """The output flags every benchmark takes."""
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--append", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--append", action="store_true",
+                        help="write the table into benchmarks/results/SCRIPT.md, replacing this configuration's entry")
     parser.add_argument("--smoke", action="store_true",
-                        help="the tiniest run through the whole code path (tests); never appends")
+                        help="the tiniest run through the whole code path (tests); never writes results")
 
 
 def size_text(nbytes: float) -> str:
@@ -80,9 +83,21 @@ def command() -> str:
 
 
 def entry(title: str, body: str) -> str:
-    """A RESULTS.md entry: dated heading, the command and machine, then the body."""
-    return (f"### {title}, {datetime.date.today()}\n\n"
-            f"`{command()}`; machine: {machine()}.\n\n{body}")
+    """A results entry: the configuration as its heading, the command, machine and date, then the body."""
+    return (f"## {title}\n\n"
+            f"`{command()}`; machine: {machine()}; {datetime.date.today()}.\n\n{body}")
+
+
+def write_entry(path: Path, text: str) -> None:
+    """`text` (an `entry`) into the results file at `path`: in place of the entry with the same
+    heading, else at the end (a new file starts with the script's name as its title)."""
+    heading = text.split("\n", 1)[0]
+    old = path.read_text() if path.exists() else f"# {path.stem}\n"
+    head, *rest = old.split("\n## ")
+    entries = [text if ("## " + e).split("\n", 1)[0] == heading else "## " + e for e in rest]
+    if text not in entries:
+        entries.append(text)
+    path.write_text("\n\n".join([head.rstrip()] + [e.rstrip() for e in entries]) + "\n")
 
 
 def metadata() -> dict:
@@ -91,7 +106,7 @@ def metadata() -> dict:
 
 
 def report(args, text: str, data: dict) -> None:
-    """Print the JSON object (--json) or the text; append the text with --append (not --smoke).
+    """Print the JSON object (--json) or the text; write the entry with --append (not --smoke).
 
     Only process 0 prints or writes, so a multi-process run reports once.
     """
@@ -101,7 +116,6 @@ def report(args, text: str, data: dict) -> None:
         return
     print(json.dumps({**data, **metadata()}) if args.json else text, flush=True)
     if args.append and args.smoke:
-        print("--smoke: not appending to RESULTS.md", file=sys.stderr)
+        print("--smoke: not writing results", file=sys.stderr)
     elif args.append:
-        with open(RESULTS, "a") as out:
-            out.write("\n" + text + "\n")
+        write_entry(RESULTS / f"{Path(sys.argv[0]).stem}.md", text)

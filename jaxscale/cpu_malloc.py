@@ -7,7 +7,7 @@ kernel maps and zeroes all of its pages again: one page fault per 4 KiB, 12,600 
 gpt2 benchmark shape, where they took about a quarter of the step. Kept in the heap instead --
 no mmap for large blocks, no trimming of the heap's top, one arena for every thread, as
 `MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647 MALLOC_ARENA_MAX=1` would at launch -- the
-same pages serve every step and the faults stop (benchmarks/RESULTS.md). The price: memory the
+same pages serve every step and the faults stop (benchmarks/results/cpu_profile.md). The price: memory the
 process frees stays with it, and the heap comes to hold a few scratch buffers' worth (2.6-7.4x one
 buffer in the runs measured) as small blocks settle into the freed ones. So once the step is
 compiled, `fit_scratch` gives large blocks back to mmap when eight buffers' worth would pass a

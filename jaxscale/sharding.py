@@ -104,10 +104,9 @@ def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(context, spec))
 
 
-def split_axes(name: str) -> tuple[str, ...]:
-    """The mesh axes the active layout splits logical axis `name` over, leaving out the manual
-    axes of an enclosing shard_map; () outside Layout.activate()."""
-    layout = _ACTIVE.get()
+def split_axes(layout: Layout | None, name: str) -> tuple[str, ...]:
+    """The mesh axes `layout` splits logical axis `name` over, leaving out the manual axes of an
+    enclosing shard_map; () without a layout."""
     if layout is None:
         return ()
     context = jax.sharding.get_abstract_mesh()

@@ -117,7 +117,7 @@ def loss_and_grads(params, batch: Batch, spec: StepSpec):
     reduce-scatter per microbatch ((n-1)/n of the gradient bytes each) in place of one all-reduce
     per step (2(n-1)/n): the memory ZeRO-2 is chosen for, paid in bandwidth, as DeepSpeed's ZeRO-2
     and FSDP2's default do. Summing whole locally and reducing once, as ZeRO-2 did before, sends
-    less but keeps the whole sum, which is what ZeRO-2 exists to avoid (benchmarks/RESULTS.md,
+    less but keeps the whole sum, which is what ZeRO-2 exists to avoid (benchmarks/results/memory.md,
     "ZeRO-2 under accumulation", has both measured)."""
     if spec.accum_steps == 1:
         return _grad_fn(spec)(params, batch)

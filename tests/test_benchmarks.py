@@ -2,7 +2,7 @@
 
 Each runs in a fresh process with 8 fake CPU devices as `python benchmarks/NAME --smoke --json
 --append ARGS`; the test parses the one JSON object it prints, checks it with the script's
-check below, and checks that --smoke left RESULTS.md alone. A new benchmark is one entry in
+check below, and checks that --smoke left benchmarks/results/ alone. A new benchmark is one entry in
 BENCHMARKS: its file name, extra arguments, and a check of its JSON (or None for the common keys only).
 """
 
@@ -183,7 +183,7 @@ def test_every_benchmark_is_smoke_tested():
 @pytest.mark.parametrize("script", sorted(BENCHMARKS))
 def test_smoke(script):
     args, check = BENCHMARKS[script]
-    results = (BENCH / "RESULTS.md").read_text()
+    results = {p.name: p.read_text() for p in (BENCH / "results").glob("*.md")}
     env = cli_env(8)
     done = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--json", "--append", *args],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -192,7 +192,22 @@ def test_smoke(script):
     assert out["benchmark"] == script.removesuffix(".py") and {"date", "command", "machine"} <= set(out)
     if check is not None:
         check(out)
-    assert (BENCH / "RESULTS.md").read_text() == results, "--smoke must not append"
+    assert {p.name: p.read_text() for p in (BENCH / "results").glob("*.md")} == results, "--smoke must not write"
+
+
+def test_a_new_run_replaces_its_configurations_entry(tmp_path):
+    """--append writes an entry per configuration (its heading): the same configuration again
+    replaces its entry in place, another is added after the others."""
+    sys.path.insert(0, str(BENCH))
+    import _common
+
+    path = tmp_path / "overhead.md"
+    path.write_text("# Overhead\n\nWhat it measures.\n\n## a\n\nold a\n\n## b\n\nold b\n")
+    _common.write_entry(path, "## a\n\nnew a\n")
+    _common.write_entry(path, "## c\n\nnew c")
+    assert path.read_text() == "# Overhead\n\nWhat it measures.\n\n## a\n\nnew a\n\n## b\n\nold b\n\n## c\n\nnew c\n"
+    _common.write_entry(tmp_path / "fresh.md", "## x\n\nbody")
+    assert (tmp_path / "fresh.md").read_text() == "# fresh\n\n## x\n\nbody\n"
 
 
 def test_gpu_kernels_are_classed_by_name_and_hlo():

@@ -112,13 +112,13 @@ def test_splash_kernel_matches_reference(documents):
     (8, 6, 2, False), (8, 5, 5, False), (8, 6, 2, True),
 ])
 def test_context_parallel_matches_reference(mode, shards, heads, kv_heads, documents):
-    mesh = make_layout(sequence=shards).mesh
+    layout = make_layout(sequence=shards)
     q, k, v, segments = _inputs(heads, kv_heads, documents)
     order = zigzag_order(LENGTH, shards)
     positions = jnp.broadcast_to(jnp.asarray(order), (2, LENGTH))
 
     def ours(q, k, v):  # inputs in zig-zag order, outputs put back in natural order
-        out = attention(q[:, order], k[:, order], v[:, order], positions, segments[:, order], mesh, mode, block=2)
+        out = attention(q[:, order], k[:, order], v[:, order], positions, segments[:, order], layout, mode, block=2)
         return out[:, np.argsort(order)]
 
     _assert_matches(ours, q, k, v, segments)

@@ -115,9 +115,9 @@ def kept(kernel):
     return run
 
 
-def self_attention(q_BLHE, k_BLKE, v_BLKE, places: Placement, impl: str, block: int = flash.BLOCK, mesh=None):
+def self_attention(q_BLHE, k_BLKE, v_BLKE, places: Placement, impl: str, block: int = flash.BLOCK, layout=None):
     """Causal grouped-query attention on one device's whole sequence, within documents when
-    places.segments is set (cudnn only without). Given the run's mesh, the xla and splash kernels
+    places.segments is set (cudnn only without). Given the run's layout, the xla and splash kernels
     run on each device's own rows and heads (`parallel.per_device`). The kernel's residuals are
     `kept` for remat policies."""
     if impl == "cudnn":
@@ -128,11 +128,11 @@ def self_attention(q_BLHE, k_BLKE, v_BLKE, places: Placement, impl: str, block: 
     if impl == "splash" and splash.unsupported(q_BLHE.shape[1]) is None:
         def on_tpu(q, k, v, _, seg=None):
             return splash.attention(q, k, v, seg, block)
-        return kept(lambda *a: per_device(on_tpu, mesh, *a, every_axis=True))(q_BLHE, k_BLKE, v_BLKE, *rows)
+        return kept(lambda *a: per_device(on_tpu, layout, *a, every_axis=True))(q_BLHE, k_BLKE, v_BLKE, *rows)
 
     def blockwise(q, k, v, pos, seg=None):
         return flash.attention(q, k, v, pos, pos, seg, seg, block)
-    return kept(lambda *a: per_device(blockwise, mesh, *a))(q_BLHE, k_BLKE, v_BLKE, *rows)
+    return kept(lambda *a: per_device(blockwise, layout, *a))(q_BLHE, k_BLKE, v_BLKE, *rows)
 
 
 def write_cache(cache_BSKE, new_BLKE, positions_BL):

@@ -148,11 +148,11 @@ class Attention(nnx.Module):
                          v=write_cache(cache["v"], v_BLKE, positions_BL))
             out_BLHE = cached_attention(q_BLHE, cache["k"], cache["v"], positions_BL)
         elif self.strategy.context != "none":  # tokens in zig-zag order (see LanguageModel.loss)
-            ring = functools.partial(context.attention, mesh=self.strategy.mesh, mode=self.strategy.context,
+            ring = functools.partial(context.attention, layout=self.strategy.layout, mode=self.strategy.context,
                                      block=self.block)
             out_BLHE = kept(ring)(q_BLHE, k_BLKE, v_BLKE, positions_BL, places.segments)
         else:
-            out_BLHE = self_attention(q_BLHE, k_BLKE, v_BLKE, places, self.impl, self.block, self.strategy.mesh)
+            out_BLHE = self_attention(q_BLHE, k_BLKE, v_BLKE, places, self.impl, self.block, self.strategy.layout)
         out_BLHE = constrain(out_BLHE, ("batch", "act_length", "act_heads", "head_dim"))
         out_BLD = self.matmul(out_BLHE, self.wo[...], 2)
         return (out_BLD + self.bias_o[...] if hasattr(self, "bias_o") else out_BLD), cache

@@ -6,8 +6,8 @@ that form: the dot falls back to Eigen at about half the speed, and layout assig
 transposes dy ([tokens, F] to [F, tokens], a strided copy). `project(..., cpu=True)` has its own
 backward in which x^T is materialised behind an optimization barrier (so the simplifier cannot
 fold the transpose back into the dot): x^T @ dy is then a plain [D, tokens] @ [tokens, F] matmul.
-On configs/tiny.py's step on one CPU device it took 87.8 -> 75.4 ms (benchmarks/torch_reference.py,
-benchmarks/RESULTS.md). On accelerators, and on several devices, the plain einsum is used: the
+On configs/tiny.py's step on one CPU device that took the step from 87.8 to 75.4 ms (measured
+with benchmarks/torch_reference.py). On accelerators, and on several devices, the plain einsum is used: the
 partitioner places it, and the barrier would hide the transpose from it.
 
 When x is an activation's output (GELU's: (u + b) * 0.5 * (1 + tanh(...))), XLA:CPU fuses the

@@ -264,9 +264,9 @@ class Transformer(nnx.Module):
         if s.pipeline != "none":  # the stages' weights cross the pipeline's map in the compute dtype
             stacked = jax.tree.map(lambda p: p.astype(self.spec.dtype), stacked)
         if s.pipeline != "none" and s.virtual_stages > 1:
-            return pipeline.circular(run_layers, stacked, x_BLD, places, s.mesh, s.microbatches, s.virtual_stages)
+            return pipeline.circular(run_layers, stacked, x_BLD, places, s.layout, s.microbatches, s.virtual_stages)
         if s.pipeline != "none":
-            return pipeline.gpipe(run_layers, stacked, x_BLD, places, s.mesh, s.microbatches)
+            return pipeline.gpipe(run_layers, stacked, x_BLD, places, s.layout, s.microbatches)
         return run_layers(stacked, x_BLD, places)
 
     def _scan_cached(self, x_BLD, places, cache):
@@ -460,7 +460,7 @@ class LanguageModel:
                 return run_layers(params, x_BLD, places), {}
 
         fns = executor.Fns(embed, stage, head_loss, lambda x_BLD: constrain(x_BLD, RESIDUAL), self.extra_loss)
-        loss = executor.pipelined_loss(s.table(), fns, primal, finish, s.mesh)
+        loss = executor.pipelined_loss(s.table(), fns, primal, finish, s.layout)
         return loss(params["layers"], outer, inputs_BL, targets_BL, places)
 
     def _lay_out(self, arrays_BL: tuple, segments_BL):
@@ -575,7 +575,7 @@ def resolve_layer_loop(model_cfg, one_cpu: bool) -> bool:
     """Whether to scan the layers. A scan compiles one layer whatever the depth, which accelerators
     and deep models need; on one CPU device its loop costs a small model's step 10-15% (the
     activations saved for the backward pass are stacked and read back through dynamic slices, and
-    no fusion crosses a layer: benchmarks/RESULTS.md), so `auto` unrolls up to UNROLL_UP_TO layers
+    no fusion crosses a layer: benchmarks/results/cpu_profile.md), so `auto` unrolls up to UNROLL_UP_TO layers
     there."""
     if model_cfg.layer_loop != "auto":
         return model_cfg.layer_loop == "scan"

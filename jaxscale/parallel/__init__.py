@@ -19,16 +19,16 @@ def constrain(x, spec, mesh):
     return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(current_mesh(mesh), spec))
 
 
-def batch_axes(*besides: str) -> tuple[str, ...]:
-    """The mesh axes the active layout splits the batch over, less those already manual here and
+def batch_axes(layout, *besides: str) -> tuple[str, ...]:
+    """The mesh axes `layout` splits the batch over, less those already manual here and
     `besides`: the axes a shard_map over rows makes manual too, so that what each row needs
     stays on its device and gradients of what it shares are summed once, at the map's edge."""
-    return tuple(a for a in sharding.split_axes("batch") if a not in besides)
+    return tuple(a for a in sharding.split_axes(layout, "batch") if a not in besides)
 
 
-def per_device(local, mesh, q_BLHE, k_BLKE, v_BLKE, *rows_BL, every_axis: bool = False):
-    """local(q, k, v, *rows) on the rows and heads each device holds: shard_map over the active
-    layout's batch and heads axes (with `every_axis`, over every mesh axis not manual already:
+def per_device(local, layout, q_BLHE, k_BLKE, v_BLKE, *rows_BL, every_axis: bool = False):
+    """local(q, k, v, *rows) on the rows and heads each device holds: shard_map over `layout`'s
+    batch and heads axes (none without a layout) (with `every_axis`, over every mesh axis not manual already:
     a Pallas kernel cannot sit where any axis is left to the partitioner, not even one of size 1;
     elsewhere that would add an all-reduce of each input's gradient over the size-1 axes).
 
@@ -37,13 +37,13 @@ def per_device(local, mesh, q_BLHE, k_BLKE, v_BLKE, *rows_BL, every_axis: bool =
     batch's axes per tile (measured on the TPU compiler). Key/value heads replicated across the
     heads' axes (too few to split) are repeated to one per query head first, so each device
     holds the pairs its query heads need."""
-    heads, batch = sharding.split_axes("act_heads"), batch_axes()
-    mesh = None if mesh is None else current_mesh(mesh)
+    heads, batch = sharding.split_axes(layout, "act_heads"), batch_axes(layout)
+    mesh = None if layout is None else current_mesh(layout.mesh)
     free = set() if mesh is None else set(mesh.axis_names) - set(getattr(mesh, "manual_axes", ()))
     axes = free if every_axis else {*heads, *batch} & free
     if not axes:
         return local(q_BLHE, k_BLKE, v_BLKE, *rows_BL)
-    if heads and heads != sharding.split_axes("act_kv_heads"):
+    if heads and heads != sharding.split_axes(layout, "act_kv_heads"):
         groups = q_BLHE.shape[2] // k_BLKE.shape[2]
         k_BLKE, v_BLKE = (jnp.repeat(x, groups, axis=2) for x in (k_BLKE, v_BLKE))
     qkv, rows = P(batch or None, None, heads or None, None), P(batch or None, None)

@@ -124,15 +124,16 @@ def _all_gather_local(q_BQHE, k_BSKE, v_BSKE, pos_BQ, seg_BQ, *, shards: int, bl
     return flash.attention(q_BQHE, k, v, pos_BQ, k_pos, seg_BQ, k_seg, block)
 
 
-def attention(q_BLHE, k_BLKE, v_BLKE, positions_BL, segments_BL, mesh, mode: str = "ring", block: int = flash.BLOCK):
+def attention(q_BLHE, k_BLKE, v_BLKE, positions_BL, segments_BL, layout, mode: str = "ring", block: int = flash.BLOCK):
     """Causal attention with the length dimension split over `sequence` (ring or all_gather), in
     tiles of at most `block` rows that divide each zig-zag chunk (so the tiles a device cannot
     see are skipped whole); segments_BL (None: one document a row) keeps each token within its
     document.
 
-    The batch's own split (the active layout's `batch` axes) is manual too: left automatic, the
+    The batch's own split (`layout`'s `batch` axes) is manual too: left automatic, the
     partitioner gathered the whole batch over `data` for an all-gather inside the map (every
     data replica then attended to every row; measured on XLA:CPU and the TPU compiler)."""
+    mesh = layout.mesh
     shards = mesh.shape[AXIS]
     segments_BL = jnp.zeros_like(positions_BL) if segments_BL is None else segments_BL
     tile = flash.block_for(q_BLHE.shape[1] // (2 * shards), block)
@@ -140,7 +141,7 @@ def attention(q_BLHE, k_BLKE, v_BLKE, positions_BL, segments_BL, mesh, mode: str
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and AXIS in context.manual_axes:  # in a layer's map over the rows and the length
         return local(q_BLHE, k_BLKE, v_BLKE, positions_BL, segments_BL)
-    batch = batch_axes(AXIS)
+    batch = batch_axes(layout, AXIS)
     seq = P(batch or None, AXIS)
     return jax.shard_map(local, mesh=current_mesh(mesh), in_specs=(seq,) * 5, out_specs=seq,
                          axis_names={AXIS, *batch}, check_vma=False)(q_BLHE, k_BLKE, v_BLKE, positions_BL, segments_BL)

@@ -283,14 +283,15 @@ def _file(stash, slot, message):
     return stash.at[at].set(jnp.where(slot >= 0, message, stash[at]))
 
 
-def run(table: Table, fns: Fns, stacked, outer, tokens_BL, targets_BL, places, mesh):
+def run(table: Table, fns: Fns, stacked, outer, tokens_BL, targets_BL, places, layout):
     """(mean loss, gradients of the stacked layer params and of the outer params, the stages'
     statistics [P * V, ...] in layer order, means over the microbatches): the schedule run over
     `pipeline` on M = table.microbatches microbatches of the batch, the gradients those of the
     loss plus what the statistics add. stacked has the layer dimension first, split over
     `pipeline`; places is a pytree of [B, L] arrays (positions, segment ids)."""
     stages, virtual, count = table.stages, table.virtual, table.microbatches
-    the_plan, batch = plan(table), batch_axes(AXIS)
+    mesh = layout.mesh
+    the_plan, batch = plan(table), batch_axes(layout, AXIS)
     scale = 1.0 / (count * math.prod(current_mesh(mesh).shape[a] for a in batch))
 
     def regroup(p):  # [L, ...] -> [V, P, L/(PV), ...]: virtual stage j = c*P + s on device s
@@ -319,7 +320,7 @@ def run(table: Table, fns: Fns, stacked, outer, tokens_BL, targets_BL, places, m
     return loss, g_stacked, jax.tree.map(lambda g, p: g.astype(p.dtype), g_outer, outer), stats
 
 
-def pipelined_loss(table: Table, fns: Fns, primal, finish, mesh):
+def pipelined_loss(table: Table, fns: Fns, primal, finish, layout):
     """loss(stacked, outer, tokens, targets, places) -> (objective, metrics) as a
     jax.custom_vjp: differentiated, the table runs forward and backward together (`run`) and
     finish(mean loss, statistics [P * V, ...]) gives what primal(...) gives evaluated alone. The
@@ -329,7 +330,7 @@ def pipelined_loss(table: Table, fns: Fns, primal, finish, mesh):
         return primal(stacked, outer, tokens, targets, places)
 
     def forward(stacked, outer, tokens, targets, places):
-        value, g_stacked, g_outer, stats = run(table, fns, stacked, outer, tokens, targets, places, mesh)
+        value, g_stacked, g_outer, stats = run(table, fns, stacked, outer, tokens, targets, places, layout)
         return finish(value, stats), (g_stacked, g_outer, tokens, targets, places)
 
     def backward(residuals, cotangents):

@@ -101,19 +101,19 @@ def _schedule(stage_fn, stages: int, count: int):
     return local
 
 
-def gpipe(stage_fn, stacked_params, x_BLD, places, mesh, microbatches: int):
-    """x after all layers, run as `mesh.shape['pipeline']` stages over `microbatches` microbatches.
+def gpipe(stage_fn, stacked_params, x_BLD, places, layout, microbatches: int):
+    """x after all layers, run as `layout.mesh.shape['pipeline']` stages over `microbatches` microbatches.
 
     stage_fn(local_params, x, places) applies one stage's layers (places: the tokens' positions,
     a pytree of [B, L] arrays microbatched as x is); stacked_params has the layer dimension
     first, split over `pipeline`.
     """
-    stages = mesh.shape[AXIS]
+    stages = layout.mesh.shape[AXIS]
     local = _schedule(jax.checkpoint(stage_fn), stages, microbatches)  # remat per stage
-    return _over_stages(local, P(AXIS), stacked_params, x_BLD, places, mesh, microbatches)
+    return _over_stages(local, P(AXIS), stacked_params, x_BLD, places, layout, microbatches)
 
 
-def _over_stages(local, param_spec, params, x_BLD, places, mesh, microbatches: int):
+def _over_stages(local, param_spec, params, x_BLD, places, layout, microbatches: int):
     """Run a schedule in shard_map over `pipeline` on the microbatches of x; its outputs (held
     by the last stage, zeros elsewhere) are summed over the stages.
 
@@ -142,9 +142,9 @@ def _over_stages(local, param_spec, params, x_BLD, places, mesh, microbatches: i
         return jax.lax.psum(wire(out), AXIS)
 
     xs, places = microbatch.split(x_BLD, microbatches), microbatch.split_tree(places, microbatches)
-    batch = batch_axes(AXIS)
+    batch = batch_axes(layout, AXIS)
     rows = P(None, batch or None)
-    out = jax.shard_map(body, mesh=current_mesh(mesh), in_specs=(param_spec, rows, rows), out_specs=rows,
+    out = jax.shard_map(body, mesh=current_mesh(layout.mesh), in_specs=(param_spec, rows, rows), out_specs=rows,
                         axis_names={AXIS, *batch}, check_vma=False)(wire(params), wire(xs), places)
     return microbatch.merge(out).astype(dtype)
 
@@ -180,18 +180,18 @@ def _circular_schedule(stage_fn, stages: int, count: int, repeats: int):
     return local
 
 
-def circular(stage_fn, stacked_params, x_BLD, places, mesh, microbatches: int, repeats: int):
+def circular(stage_fn, stacked_params, x_BLD, places, layout, microbatches: int, repeats: int):
     """The circular (interleaved) schedule: layer chunk v*P+p runs on device p in round v.
 
     Parameters are stored in their one layout (layers split contiguously over `pipeline`); the
     step regroups them [V, P, L/(PV)] with the P dimension on `pipeline`, one all-to-all of the
     layer weights per step, and the gradients take the reverse path.
     """
-    stages = mesh.shape[AXIS]
+    stages = layout.mesh.shape[AXIS]
 
     def regroup(p):
         p = p.reshape(repeats, stages, p.shape[0] // (repeats * stages), *p.shape[1:])
-        return constrain(p, P(None, AXIS), mesh)
+        return constrain(p, P(None, AXIS), layout.mesh)
 
     grouped = jax.tree.map(regroup, stacked_params)
     local = _circular_schedule(jax.checkpoint(stage_fn), stages, microbatches, repeats)
@@ -199,4 +199,4 @@ def circular(stage_fn, stacked_params, x_BLD, places, mesh, microbatches: int, r
     def squeeze(params, xs, pos):
         return local(jax.tree.map(lambda p: p[:, 0], params), xs, pos)
 
-    return _over_stages(squeeze, P(None, AXIS), grouped, x_BLD, places, mesh, microbatches)
+    return _over_stages(squeeze, P(None, AXIS), grouped, x_BLD, places, layout, microbatches)
