@@ -6,10 +6,14 @@ import json
 import pytest
 
 from conftest import ROOT, run_cli
-from jaxscale import cli, topology
+from jaxscale import cli, metrics, topology
 from jaxscale.errors import ConfigError
 from jaxscale.gpu_targets import GPUS
 from sends import Sizes, assert_sends
+
+# The datasheets: H100 SXM5, 80 GB HBM3 at 3.35 TB/s; H200, 141 GB HBM3e at 4.8 TB/s; both 989
+# dense bf16 TFLOP/s. The driver reports a little less memory than that many GiB (H100: 79.1 GiB).
+DATASHEET = {"h100": (80, 3.35e12, 989.0), "h200": (141, 4.8e12, 989.0)}
 
 
 @pytest.mark.parametrize("name, gpus, shape", [("h100-8", 8, "1x1x8"), ("h100-2", 2, "1x1x2"),
@@ -17,7 +21,10 @@ from sends import Sizes, assert_sends
 def test_gpu_names(name, gpus, shape):
     pod = topology.parse(name)
     assert (pod.platform, pod.chips, pod.slices, pod.shape) == ("gpu", gpus, 1, shape)
-    assert pod.hbm_per_chip == GPUS[pod.generation].memory_bytes
+    gib, bandwidth, peak = DATASHEET[pod.generation]
+    gpu = GPUS[pod.generation]
+    assert (gib - 1) * 2**30 < pod.hbm_per_chip <= gib * 2**30
+    assert gpu.memory_bandwidth == pytest.approx(bandwidth, rel=0.01) and metrics.peak_tflops(gpu.name) == peak
 
 
 @pytest.mark.parametrize("name, words", [("h100-12", "a multiple of 8"), ("a100-8", "GPUs such as h100-8")])

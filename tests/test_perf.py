@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -13,19 +14,71 @@ from jaxscale import cpu_malloc, xla_flags
 from jaxscale.config import defaults
 from jaxscale.loop import train
 
+WAIT_S, STEP_S, SAVE_S = 0.02, 0.02, 0.05  # sleeps added before each batch, step call and save
 
-def test_profile_window_and_step_time_breakdown(tiny_config, tmp_path):
+
+def _slowed(monkeypatch) -> None:
+    """Every batch comes WAIT_S late, every call of the step and every checkpoint save take STEP_S
+    and SAVE_S longer: lower bounds on each part of the step time that hold on any machine."""
+    from jaxscale.data.loader import Data
+    from jaxscale.session import Session
+
+    batches, compiled, save = Data.train_batches, Session.compiled, Session.save
+
+    def late_batches(self, start_step=0):
+        for batch in batches(self, start_step):
+            time.sleep(WAIT_S)
+            yield batch
+
+    def slow_step(self):
+        step = compiled(self)
+        return lambda *args: (time.sleep(STEP_S), step(*args))[1]
+
+    monkeypatch.setattr(Data, "train_batches", late_batches)
+    monkeypatch.setattr(Session, "compiled", slow_step)
+    monkeypatch.setattr(Session, "save", lambda self, step: (time.sleep(SAVE_S), save(self, step))[1])
+
+
+def _timed_stretches(monkeypatch) -> list[float]:
+    """The wall time of each stretch of steps, by a clock outside the loop's (the stretch holds
+    every logged window, and each window is measured once)."""
+    from jaxscale import loop
+
+    stretch, seconds = loop._stretch, []
+
+    def timed(*args):
+        began = time.perf_counter()
+        try:
+            return stretch(*args)
+        finally:
+            seconds.append(time.perf_counter() - began)
+
+    monkeypatch.setattr(loop, "_stretch", timed)
+    return seconds
+
+
+def test_profile_window_and_step_time_breakdown(tiny_config, tmp_path, monkeypatch):
+    """The records' step times, times the steps each covers, add up to no more than the stretch's
+    wall time by an outside clock, and so do the three parts (a time counted twice, or per window
+    instead of per step, exceeds it); each part is at least the sleep added to it."""
     tiny_config.train.update(steps=12, log_every=4, eval_every=0)
     tiny_config.checkpoint.every_steps = 6
     tiny_config.profile.update(start_step=5, steps=3)
+    _slowed(monkeypatch)
+    stretches = _timed_stretches(monkeypatch)
     records = train(tiny_config, tmp_path, show_progress=False)
     traces = list((tmp_path / "profile").rglob("*.xplane.pb"))
     assert traces and list((tmp_path / "profile").rglob("*.trace.json.gz"))
-    for r in records:
-        parts = r["data_wait_s"] + r["checkpoint_block_s"] + r["device_step_s"]
-        assert r["step_time_s"] == pytest.approx(parts) and min(r["data_wait_s"], r["device_step_s"]) > 0
+    steps = [b["step"] - a["step"] for a, b in zip([{"step": 0}, *records], records)]
+    assert [r["step"] for r in records] == [1, 4, 8, 12] and len(stretches) == 1
+    assert sum(r["step_time_s"] * n for r, n in zip(records, steps)) <= stretches[0]
+    parts = sum((r["data_wait_s"] + r["checkpoint_block_s"] + r["device_step_s"]) * n for r, n in zip(records, steps))
+    assert parts <= stretches[0]
+    for r, n in zip(records, steps):
+        saves = r["step"] // 6 - (r["step"] - n) // 6  # checkpoints at 6 and 12
+        assert r["data_wait_s"] >= WAIT_S and r["device_step_s"] >= STEP_S, r
+        assert r["checkpoint_block_s"] * n >= saves * SAVE_S and (r["checkpoint_block_s"] > 0) == bool(saves), r
         assert 0 < r["goodput"] < 1 and r["compile_s"] > 0
-    assert [r["checkpoint_block_s"] > 0 for r in records] == [False, False, True, True]  # saves at 6 and 12
     assert records[-1]["goodput"] > records[0]["goodput"]  # start-up weighs less as the run goes on
 
 

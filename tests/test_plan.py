@@ -72,23 +72,54 @@ def test_fsdp_splits_params_and_zero1_splits_only_optimizer_state(plans):
     assert zero1["params"] == dp["params"]
 
 
-@pytest.mark.parametrize("name", ["data8", "fsdp8", "zero1", "zero2_accum4", "zero3", "data2_fsdp4", "mixed",
-                                  "pipeline2_fsdp2"])
-def test_compiled_state_bytes_match_the_arithmetic(plans, name):
+def _assert_state_matches_config(plan: dict, config) -> None:
     """The state each device holds, as the compiled step's shardings place it, against the
-    arithmetic from the config alone (its mesh, ZeRO stage and model): a layout that split less
-    than the config asks (a ZeRO stage dropped on the way) fails here, as does the planner's
-    own arithmetic column if it drifts."""
-    plan, config = plans[name], _layout_config(name)
+    arithmetic from the config alone (its mesh, ZeRO stage and model), never from the layout the
+    planner built: a layout that split less than the config asks (a ZeRO stage dropped on the
+    way) fails here, as does the planner's own arithmetic column if it drifts."""
     assert sum(param_groups(config).values()) == plan["num_params"]
     got, want = plan["per_device_bytes"], state_bytes(config, 8)
     for key in ("params", "grads", "opt_state"):
         assert got[key] == pytest.approx(want[key], rel=0.01), key
         assert plan["expected_bytes"][key] == pytest.approx(want[key], rel=1e-6), key
-    # The rows add up to the step's peak; the arguments are the state, one batch, step and rng.
-    rows = ("params", "opt_state", "other_args", "temp", "outputs")
-    assert sum(got[key] for key in rows) == got["total"]
+
+
+@pytest.mark.parametrize("name", ["data8", "fsdp8", "zero1", "zero2_accum4", "zero3", "data2_fsdp4", "mixed",
+                                  "pipeline2_fsdp2"])
+def test_compiled_state_bytes_match_the_arithmetic(plans, name):
+    """The state against the config's arithmetic; the step's other arguments are one batch, the
+    step and the rng (nothing of the state counted twice or left out of its rows), and the
+    gradients are among its temporaries."""
+    plan = plans[name]
+    _assert_state_matches_config(plan, _layout_config(name))
+    got = plan["per_device_bytes"]
     assert 0 <= got["other_args"] <= BATCH_BYTES + 1024 and got["grads"] <= got["temp"]
+
+
+@pytest.mark.parametrize("name, wrong", [("zero3", {"zero_stage": 0}), ("zero2_accum4", {"zero_stage": 1})],
+                         ids=["zero3_as_0", "zero2_accum4_as_1"])
+def test_a_layout_that_splits_less_than_the_config_asks_fails_the_byte_check(monkeypatch, name, wrong):
+    """The check above catches the fault it is there for: the same config compiled with a layout
+    whose ZeRO stage was dropped on the way (jaxscale.build's layout_from_config patched) holds
+    whole what the config splits, and `_assert_state_matches_config` raises. (ZeRO-3 dropped to
+    0 compiles data8's program, ZeRO-2 dropped to 1 zero1_accum4's: the persistent cache has
+    them when the module runs whole.)"""
+    import dataclasses
+
+    from jaxscale import build
+
+    real = build.layout_from_config
+
+    def dropped(config, devices=None):
+        layout, notes = real(config, devices)
+        return dataclasses.replace(layout, **wrong), notes
+
+    monkeypatch.setattr(build, "layout_from_config", dropped)
+    config = _layout_config(name)
+    plan = describe(config, *compile_plan(config, "cpu"))
+    assert plan["zero_stage"] == wrong["zero_stage"]  # the fault was planted
+    with pytest.raises(AssertionError, match=r"^(params|grads|opt_state)\b"):  # a state row, not the count
+        _assert_state_matches_config(plan, config)
 
 
 def test_zero2_accumulates_into_its_split_of_the_gradients(plans):
@@ -235,15 +266,23 @@ def test_advice_names_the_biggest_contributor(plans):
     assert lines[0].startswith("does not fit") and "temp" in lines[0] and "model.remat" in lines[1]
 
 
-def test_cli_json_keys():
+def test_cli_json_reports_the_arithmetic():
+    """`--json` for tiny.py on data=8 with ZeRO-1, by hand: N = 426,624 parameters (2 layers of
+    attention 49,152 and SwiGLU 147,456, their 4 norm scales, the tied 256 x 128 table and the
+    final norm); whole float32 parameters and gradients (4N bytes a device), Adam's two moments
+    split 8 ways (8N / 8, beside its step count); the gradient all-reduced once, with the tied
+    table's second term (4N + 4 x 256 x 128 bytes)."""
     result = main_cli(["--config=configs/tiny.py", "--config.mesh.data=8", "--config.zero_stage=1", "--json"],
                       module="jaxscale.plan")
     assert result.returncode == 0, result.stderr[-2000:]
-    plan = json.loads(result.stdout)
-    for key in ("params", "grads", "opt_state", "temp", "total"):
-        assert plan["per_device_bytes"][key] > 0
-    assert set(plan["expected_bytes"]) == {"params", "grads", "opt_state"}
-    assert plan["collectives"]["all-reduce"]["bytes"] > 0 and plan["warnings"] == []
+    plan, n = json.loads(result.stdout), 426_624
+    assert plan["num_params"] == n
+    assert plan["expected_bytes"] == {"params": 4 * n, "grads": 4 * n, "opt_state": n}
+    got = plan["per_device_bytes"]
+    assert (got["params"], got["grads"]) == (4 * n, 4 * n) and got["opt_state"] == pytest.approx(n, abs=64)
+    assert got["total"] >= got["params"] + got["opt_state"] + got["grads"]  # the gradients are temporaries
+    assert plan["collectives"]["all-reduce"]["bytes"] == pytest.approx(4 * n + 4 * 256 * 128, rel=1e-3)
+    assert plan["warnings"] == []
 
 
 def test_cli_bad_input_exits_2():
@@ -265,17 +304,28 @@ def test_context_parallelism_cuts_activation_memory():
     assert four <= 0.35 * one, (four, one)
 
 
-def test_pipeline_schedule_is_drawn_with_its_bubble(plans):
-    gpipe = plans["pipeline2_gpipe"]["pipeline"]
-    assert gpipe["drawing"] == "stage 0: FFFF..BBBB\nstage 1: .FFFFBBBB."
-    assert {k: gpipe[k] for k in ("stages", "schedule", "microbatches", "virtual_stages", "ticks", "in_flight")} == {
-        "stages": 2, "schedule": "gpipe", "microbatches": 4, "virtual_stages": 1, "ticks": 10, "in_flight": [4, 4]}
-    assert gpipe["bubble_fraction"] == pytest.approx(1 / 5)  # (P-1)/(M+P-1): 2 idle ticks in 10
-    circular = plans["pipeline2_circular"]["pipeline"]
-    assert circular["bubble_fraction"] == pytest.approx(1 / 9)  # (P-1)/(V*M+P-1)
+def _drawing(stages: int, ticks_each_way: int) -> str:
+    """The table of a schedule that runs every forward before any backward: stage s idles s ticks,
+    runs its forwards, idles 2(P-1-s) ticks while the last stage turns round, runs its backwards
+    and idles s ticks more."""
+    return "\n".join(f"stage {s}: " + "." * s + "F" * ticks_each_way + "." * 2 * (stages - 1 - s)
+                     + "B" * ticks_each_way + "." * s for s in range(stages))
+
+
+@pytest.mark.parametrize("name", ["pipeline2_gpipe", "pipeline2_circular"])
+def test_pipeline_schedule_is_drawn_with_its_bubble(plans, name):
+    """From the config's P stages, M microbatches and V virtual stages a device (GPipe: 1): each
+    stage runs VM forwards and VM backwards in 2(VM + P - 1) ticks, idle in 2(P - 1) of them
+    ((P-1)/(VM+P-1) of the stage-ticks), holding all VM microbatches' activations at once."""
+    config, pipe = _layout_config(name), plans[name]["pipeline"]
+    p, m = config.mesh.pipeline, config.pipeline.microbatches
+    v = config.pipeline.virtual_stages
+    assert pipe["ticks"] == 2 * (v * m + p - 1) and pipe["in_flight"] == [v * m] * p
+    assert pipe["bubble_fraction"] == pytest.approx((p - 1) / (v * m + p - 1))
+    assert pipe["drawing"] == _drawing(p, v * m)
 
 
 def test_planning_a_gpu_run_on_a_cpu_host():
     plan = make_plan(_config("mesh.data=8"), "gpu")
-    assert plan["platform"] == "gpu" and plan["compute_dtype"] == "bfloat16"
+    assert plan["compute_dtype"] == "bfloat16"  # tiny.py names no dtype: a GPU's default
     assert plan["notes"] and plan["notes"][0].startswith("attention: planned with the xla kernel")
