@@ -16,6 +16,7 @@ import functools
 import time
 
 import jax
+import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -38,7 +39,7 @@ class Run:
     """Everything a run is built from, fixed before the first step. What changes while it trains
     (the state, the data position, counters) is held by the loop, not here."""
 
-    config: object
+    config: object               # ml_collections.FrozenConfigDict: read anywhere, changed nowhere
     platform: str                # the platform the step is built for (may differ from this host's when planning)
     layout: Layout
     model: LanguageModel         # with its parallel strategy for this layout
@@ -121,8 +122,8 @@ def build(config, devices=None, platform: str | None = None) -> Run:
     spec = StepSpec(model, tx, schedule, layout, shardings, config.train.grad_accum_steps, guard,
                     determinism.compiler_options(config, platform))
     n = metrics_lib.active_params(abstract.params, model.spec)
-    return Run(config=config, platform=platform, layout=layout, model=model, offload=offload, step_spec=spec,
-               abstract_state=abstract, notes=tuple(notes + model_notes),
+    return Run(config=ml_collections.FrozenConfigDict(config), platform=platform, layout=layout, model=model,
+               offload=offload, step_spec=spec, abstract_state=abstract, notes=tuple(notes + model_notes),
                flops_per_token=metrics_lib.flops_per_token(model.spec, n, config.train.seq_len),
                peak_tflops=config.metrics.peak_tflops or _table_peak(platform, devices))
 

@@ -1,9 +1,10 @@
-"""The per-step concerns of the training loop, one small hook each, run in a fixed order (HOOKS).
+"""The per-step concerns of the training loop, one small function each, run in the fixed order
+`run_step` states, each given what it needs and returning what it measured: nothing is passed
+through a shared record. Users add their own (`UserHook`, `Trainer.add_hook(fn, every=N)`),
+called after the built-in ones with a `StepInfo`.
 
-A hook takes the session and the stretch of steps being run, reads or fills in the current
-step's fields, and returns None to go on or an Outcome to end the stretch. Step time is taken
-once the step's results are on the host (JAX dispatches asynchronously), so a logged window
-measures the devices' work, not how fast steps were queued.
+Step time is taken once the step's results are on the host (JAX dispatches asynchronously), so a
+logged window measures the devices' work, not how fast steps were queued.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import numpy as np
@@ -50,116 +52,143 @@ class Clock:
         self.time = time.perf_counter()
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Stretch:
-    """Consecutive steps run with one batch iterator, and the current step's fields."""
+    """Consecutive steps run with one batch iterator: what the loop owns across them."""
 
     last: int                    # the stretch ends after this step
     batches: Iterator
     clock: Clock
     records: list[dict]          # the logged records, appended to as steps are logged
-    step: int = 0
-    batch: dict | None = None
-    fed_s: float = 0.0           # this host's time getting the batch onto its devices
-    metrics: dict | None = None  # the step's metrics: device arrays, then host values when logged
-    stop: bool = False           # preemption reached: save this step and stop
-    record: dict | None = None   # the logged record of this step, if it is logged
 
 
-def feed(session: Session, s: Stretch) -> None:
-    session.services.trace.before(s.step)
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+    """What a user hook sees after a step: its number, the state after it, the step's metrics
+    (device arrays: reading one waits for the step) and its logged record (None unless logged)."""
+
+    step: int
+    state: Any
+    metrics: dict
+    record: dict | None
+
+
+@dataclasses.dataclass(frozen=True)
+class UserHook:
+    """fn(StepInfo) after every `every`-th step (its return value is ignored)."""
+
+    fn: Callable[[StepInfo], object]
+    every: int = 1
+
+
+def run_step(session: Session, s: Stretch, step: int, user_hooks: tuple[UserHook, ...] = ()) -> Outcome | None:
+    """One step and everything that comes with it, in order; an Outcome ends the stretch."""
+    batch, fed_s = feed(session, s.clock, step, s.batches)
+    metrics = train(session, batch)
+    watch(session, step, fed_s)
+    stopping = session.services.preemption.reached(step)
+    checkpoint(session, s.clock, step, stopping or step == s.last)
+    if rollback(session, step, metrics):
+        return Outcome.ROLLBACK
+    record = measure(session, s.clock, step, stopping, metrics)
+    if record is not None:
+        record = evaluate(session, step, record)
+        log(session, s, step, record)
+    for hook in user_hooks:
+        if step % hook.every == 0:
+            hook.fn(StepInfo(step, session.live.state, metrics, record))
+    return stop(session, step) if stopping else None
+
+
+def feed(session: Session, clock: Clock, step: int, batches: Iterator) -> tuple[dict, float]:
+    """(the step's batch, this host's time getting it onto its devices): waiting for the devices
+    is not counted, put is asynchronous."""
+    session.services.trace.before(step)
     began = time.perf_counter()
-    s.batch = next(s.batches)
-    s.fed_s = time.perf_counter() - began  # waiting for the devices is not counted: put is async
-    s.clock.data += s.fed_s
+    batch = next(batches)
+    fed_s = time.perf_counter() - began
+    clock.data += fed_s
+    return batch, fed_s
 
 
-def train(session: Session, s: Stretch) -> None:
+def train(session: Session, batch: dict) -> dict:
+    """The step on the live state; returns its metrics (device arrays)."""
     live = session.live
-    live.state, s.metrics = session.compiled()(live.state, s.batch)
+    live.state, metrics = session.compiled()(live.state, batch)
     live.data_step += 1
+    return metrics
 
 
-def watchdog(session: Session, s: Stretch) -> None:
-    session.services.watchdog.beat(s.step)
+def watch(session: Session, step: int, fed_s: float) -> None:
+    """The watchdog's heartbeat, the straggler report's sample and the profiler window."""
+    services = session.services
+    services.watchdog.beat(step)
+    services.stragglers.add(step, fed_s, session.live.state)
+    services.trace.after(step, session.live.state)
 
 
-def stragglers(session: Session, s: Stretch) -> None:
-    session.services.stragglers.add(s.step, s.fed_s, session.live.state)
-
-
-def tracing(session: Session, s: Stretch) -> None:
-    session.services.trace.after(s.step, session.live.state)
-
-
-def preemption(session: Session, s: Stretch) -> None:
-    s.stop = session.services.preemption.reached(s.step)
-
-
-def checkpoint(session: Session, s: Stretch) -> None:
-    """A persistent save when due (and at the last step or a stop), else a local one when due."""
-    persistent = s.stop or s.step == s.last or session.services.checkpointer.due(s.step)
+def checkpoint(session: Session, clock: Clock, step: int, final: bool) -> None:
+    """A persistent save when due (and at a `final` step: the stretch's last, or a stop), else a
+    local one when due; the time it blocks goes to the clock."""
+    persistent = final or session.services.checkpointer.due(step)
     local = session.services.local
-    if persistent or (local is not None and local.due(s.step)):
+    if persistent or (local is not None and local.due(step)):
         jax.block_until_ready(session.live.state)  # finishing the queued steps is step time, not saving
         began = time.perf_counter()
         if persistent:
-            session.save(s.step)
+            session.save(step)
         else:
-            local.save(s.step, session.live.state, session.position())
-        s.clock.save += time.perf_counter() - began
+            local.save(step, session.live.state, session.position())
+        clock.save += time.perf_counter() - began
 
 
-def rollback(session: Session, s: Stretch) -> Outcome | None:
+def rollback(session: Session, step: int, metrics: dict) -> bool:
     """With guard.spike_action=rollback, reload the newest checkpoint before a loss spike."""
-    if session.run.guard.spike_action != "rollback" or not bool(s.metrics["spike"]):
-        return None
-    return Outcome.ROLLBACK if _roll_back(session, s.step) else None
+    if session.run.guard.spike_action != "rollback" or not bool(metrics["spike"]):
+        return False
+    return _roll_back(session, step)
 
 
-def measure(session: Session, s: Stretch) -> None:
-    """On a logged step: fetch the metrics, then close the clock's window (in that order)."""
+def measure(session: Session, clock: Clock, step: int, stopping: bool, metrics: dict) -> dict | None:
+    """On a logged step: the record (metrics fetched, then the clock's window closed, in that
+    order); None on other steps."""
     t = session.run.config.train
-    if not (s.stop or is_log_step(s.step, t)):
-        return
-    s.metrics = jax.device_get(s.metrics)
-    steps, timing = s.step - s.clock.step, s.clock.lap(s.step)
+    if not (stopping or is_log_step(step, t)):
+        return None
+    metrics = jax.device_get(metrics)
+    steps, timing = step - clock.step, clock.lap(step)
     live = session.live
     live.productive_s += timing["device_step_s"] * steps
-    s.record = _record(session, s, timing)
-    s.record.update(goodput=live.productive_s / (time.perf_counter() - session.opened), compile_s=session.compile_s)
+    record = _record(session, step, metrics, timing)
+    record.update(goodput=live.productive_s / (time.perf_counter() - session.opened), compile_s=session.compile_s)
+    return record
 
 
-def evaluate(session: Session, s: Stretch) -> None:
-    if s.record is not None and is_eval_step(s.step, session.run.config.train):
-        s.record["val_loss"] = mean_eval_loss(session)
+def evaluate(session: Session, step: int, record: dict) -> dict:
+    """The record, with the validation loss on an evaluation step."""
+    if is_eval_step(step, session.run.config.train):
+        return {**record, "val_loss": mean_eval_loss(session)}
+    return record
 
 
-def log(session: Session, s: Stretch) -> None:
-    if s.record is None:
-        return
+def log(session: Session, s: Stretch, step: int, record: dict) -> None:
+    """The record to the console and the trackers (after an evaluation, the run report)."""
     services = session.services
     services.checkpointer.check()  # a background save that failed stops the run here
-    services.display.update(s.record)  # the line first: a tracker's first write can take a while
-    services.tracker.write(s.record)
-    s.records.append(s.record)
-    if "val_loss" in s.record:
-        if s.step < s.last:  # at the stretch's last step the final report follows at once
+    services.display.update(record)  # the line first: a tracker's first write can take a while
+    services.tracker.write(record)
+    s.records.append(record)
+    if "val_loss" in record:
+        if step < s.last:  # at the stretch's last step the final report follows at once
             session.report()
         s.clock.restart()  # the evaluation and the report are not step time
 
 
-def stop(session: Session, s: Stretch) -> Outcome | None:
+def stop(session: Session, step: int) -> Outcome:
     """After a preemption signal: wait for this step's checkpoint to commit, then stop."""
-    if not s.stop:
-        return None
     session.services.watchdog.stop()  # the commit wait has its own deadline
-    _finish_preemption(session, s.step)
+    _finish_preemption(session, step)
     return Outcome.PREEMPTED
-
-
-HOOKS: tuple[Callable[[Session, Stretch], Outcome | None], ...] = (
-    feed, train, watchdog, stragglers, tracing, preemption, checkpoint, rollback, measure, evaluate, log, stop)
 
 
 def is_log_step(step: int, train_cfg) -> bool:
@@ -177,10 +206,10 @@ def mean_eval_loss(session: Session) -> float:
     return float(np.mean([jax.device_get(step(params, b)) for b in session.val_batches()]))
 
 
-def _record(session: Session, s: Stretch, timing: dict) -> dict:
-    run, m = session.run, s.metrics
+def _record(session: Session, step: int, m: dict, timing: dict) -> dict:
+    run = session.run
     tokens_per_sec = float(m["tokens"]) / timing["step_time_s"]
-    return {"step": s.step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
+    return {"step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
             "tokens": session.live.data_step * int(m["tokens"]), "tokens_per_sec": tokens_per_sec, **timing,
             "mfu": metrics_lib.mfu(tokens_per_sec, run.flops_per_token, run.layout.mesh.size, run.peak_tflops),
             "nonfinite_skips": int(m["nonfinite_skips"]), "spike_skips": int(m["spike_skips"]),

@@ -9,13 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from jaxscale import hooks
-from jaxscale.hooks import Clock, Outcome, Stretch
+from jaxscale.hooks import Clock, Outcome, Stretch, UserHook
 from jaxscale.session import Session, open_session
 
 
-def run_steps(session: Session, until: int | None = None) -> list[dict]:
+def run_steps(session: Session, until: int | None = None, user_hooks: tuple[UserHook, ...] = ()) -> list[dict]:
     """Train from the state's step to train.steps (or `until`), saving when due and at the last
-    step run; returns the logged records. Stops early, after saving, when preempted."""
+    step run, calling `user_hooks` after the steps they ask for; returns the logged records.
+    Stops early, after saving, when preempted."""
     last, records = min(session.run.config.train.steps, until or session.run.config.train.steps), []
     session.compiled()
     services = session.services
@@ -24,7 +25,7 @@ def run_steps(session: Session, until: int | None = None) -> list[dict]:
     with services.preemption:
         services.watchdog.start()
         try:
-            while session.live.step < last and _stretch(session, last, records) == Outcome.ROLLBACK:
+            while session.live.step < last and _stretch(session, last, records, user_hooks) == Outcome.ROLLBACK:
                 pass
         finally:
             services.watchdog.stop()
@@ -33,17 +34,15 @@ def run_steps(session: Session, until: int | None = None) -> list[dict]:
     return records
 
 
-def _stretch(session: Session, last: int, records: list[dict]) -> Outcome:
-    """Steps from the state's step to `last`, every hook in order for each."""
+def _stretch(session: Session, last: int, records: list[dict], user_hooks: tuple[UserHook, ...] = ()) -> Outcome:
+    """Steps from the state's step to `last` (hooks.run_step for each)."""
     start = session.live.step
     stretch = Stretch(last, session.data.train_batches(session.live.data_step), Clock(start), records)
     try:
         for step in range(start + 1, last + 1):
-            stretch.step, stretch.record = step, None
-            for hook in hooks.HOOKS:
-                outcome = hook(session, stretch)
-                if outcome is not None:
-                    return outcome
+            outcome = hooks.run_step(session, stretch, step, user_hooks)
+            if outcome is not None:
+                return outcome
         return Outcome.DONE
     finally:
         stretch.batches.close()

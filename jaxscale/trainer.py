@@ -3,6 +3,7 @@
     from jaxscale import Trainer, config
     cfg = config.load("configs/tiny.py")
     trainer = Trainer(cfg, workdir="runs/nb")      # resumes if runs/nb has a checkpoint
+    trainer.add_hook(lambda info: print(info.step, info.record), every=10)   # your own, after each 10th step
     trainer.run(100)                               # call again to go on; Ctrl-C saves and stops
     plt.plot(trainer.metrics["step"], trainer.metrics["loss"])
     print(trainer.generate("The ", max_new_tokens=50))
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -24,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxscale import cpu_malloc, inspection, loop
+from jaxscale.hooks import StepInfo, UserHook
 from jaxscale.session import open_session
 
 
@@ -34,6 +37,7 @@ class Trainer:
         cpu_malloc.apply_cpu_defaults(config.xla)  # before JAX starts its CPU threads, if it has not yet
         self._session = self._stack.enter_context(open_session(config, self.workdir, show_progress, devices))
         self._records = {r["step"]: r for r in _earlier_records(self.workdir)}
+        self._hooks: list[UserHook] = []
 
     @classmethod
     def from_hf(cls, hf_dir: str | Path, workdir: str | Path | None = None, config=None, **kwargs) -> Trainer:
@@ -55,11 +59,19 @@ class Trainer:
 
     # -- training ------------------------------------------------------------------------------
 
+    def add_hook(self, fn: Callable[[StepInfo], object], every: int = 1) -> None:
+        """Call fn(StepInfo) after every `every`-th step of the runs to come, after the built-in
+        hooks (saving, logging, evaluation): its step, the state, the step's metrics (device
+        arrays: reading one waits for the step) and the logged record of a logged step."""
+        if every < 1:
+            raise ValueError(f"add_hook: every={every}; it must be >= 1 (1 = after every step)")
+        self._hooks.append(UserHook(fn, every))
+
     def run(self, steps: int | None = None) -> list[dict]:
         """Train `steps` more steps (default: up to train.steps, which also sets the schedule's
         length); returns their logged records. Interrupting the kernel saves the step in flight."""
         until = None if steps is None else self.step + steps
-        records = loop.run_steps(self._session, until)
+        records = loop.run_steps(self._session, until, tuple(self._hooks))
         self._records.update((r["step"], r) for r in records)
         return records
 

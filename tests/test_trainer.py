@@ -15,8 +15,16 @@ from jaxscale.loop import train
 def test_a_trainer_continues_where_it_stopped_on_the_clis_code_path(tiny_config, tmp_path):
     tiny_config.train.update(steps=12, log_every=2, eval_every=4)
     with Trainer(tiny_config, tmp_path / "nb") as trainer:
+        seen = []  # user hooks: (which, step, the state's step, the logged record's step and evaluation)
+        trainer.add_hook(lambda i: seen.append(("2", i.step, int(i.state.step),
+                                                (i.record["step"], "val_loss" in i.record))), 2)
+        trainer.add_hook(lambda i: seen.append(("3", i.step, int(i.metrics["tokens"] > 0), i.record)), every=3)
+        with pytest.raises(ValueError, match="every=0"):
+            trainer.add_hook(print, every=0)
         first, second = trainer.run(4), trainer.run(4)
         assert [r["step"] for r in first + second] == [1, 2, 4, 6, 8] and trainer.step == 8
+        assert seen == [("2", 2, 2, (2, False)), ("3", 3, 1, None), ("2", 4, 4, (4, True)), ("2", 6, 6, (6, False)),
+                        ("3", 6, 1, second[0]), ("2", 8, 8, (8, True))]
         with pytest.raises(ConfigError, match="is in use by another run"):
             Trainer(tiny_config, tmp_path / "nb")
         metrics = trainer.metrics
