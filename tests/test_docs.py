@@ -1,6 +1,7 @@
 """The documents cannot rot: every command in a `bash test` fenced block of README.md,
-CONTRIBUTING.md and docs/ runs, on tiny settings (a training run stops after 2 steps, without
-evaluations, in a temporary workdir), and exits 0. Commands are `[VAR=value ...] python -m
+CONTRIBUTING.md and docs/ runs, on tiny settings (a training run stops after 1 step, without
+evaluations, in a temporary workdir; the other CLI tests' settings, so their compiled steps are
+in the persistent cache), and exits 0. Commands are `[VAR=value ...] python -m
 jaxscale.MODULE ARGS`; they run in this process (its 8 fake devices, as a block's XLA_FLAGS asks),
 like the other CLI tests."""
 
@@ -13,7 +14,7 @@ from conftest import ROOT, main_cli
 
 BLOCK = re.compile(r"^```bash test\n(.*?)^```", re.M | re.S)
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
-TINY = {"jaxscale.train": ["--config.train.steps=2", "--config.train.eval_every=0"]}
+TINY = {"jaxscale.train": ["--config.train.steps=1", "--config.train.eval_every=0"]}
 
 
 def commands(text: str) -> list[str]:

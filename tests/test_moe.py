@@ -135,7 +135,6 @@ def reference():
 
 LAYOUTS = {
     "expert4_data2": dict(data=2, expert=4),
-    "expert2_data4": dict(data=4, expert=2),
     "expert2_fsdp2_tensor2_zero1": dict(expert=2, fsdp=2, tensor=2, zero_stage=1),
 }
 
