@@ -57,8 +57,7 @@ _METADATA = re.compile(r'metadata=\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
 _HEADER = re.compile(r"(ENTRY\s+)?%?([^\s(){}]+)")
 _INSTRUCTION = re.compile(r"\s*(ROOT\s+)?%?([^\s=]+)\s*=\s*")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
-_FIRST_OPERAND = re.compile(r"dot\(\s*(?:([a-z][a-z0-9]*\[[^\]]*\])\S*\s+)?%?([^\s,()]+)")
-_FIRST_ARGUMENT = re.compile(r"\s*[\w\-]+\(\s*(?:([a-z][a-z0-9]*\[[^\]]*\])\S*\s+)?%?([^\s,()]+)")
+_FIRST_OPERAND = re.compile(r"\s*[\w\-]+\(\s*(?:([a-z][a-z0-9]*\[[^\]]*\])\S*\s+)?%?([^\s,()]+)")
 _OPERANDS = re.compile(r"\(\s*%?([^\s,()]+)\s*,\s*%?([^\s,()]+)\s*\)")
 _CONSTANT = re.compile(r"constant\((-?\d+)\)")
 _FUSED_REDUCE_SCATTER = re.compile(r"\bcalls=%?all-reduce-scatter")  # the TPU compiler's reduce-scatter fusions
@@ -280,9 +279,8 @@ def _fused_groups(rest: str, computations: dict[str, _Computation]) -> str:
 
 def _dot_flops(shape: str, rest: str, shapes: dict[str, str]) -> int:
     """2 x result elements x contracted elements of a dot; 0 when its left operand's shape is unknown."""
-    operand, contracting = _FIRST_OPERAND.search(rest), _CONTRACTING.search(rest)
-    lhs = operand and (operand.group(1) or shapes.get(operand.group(2)))
-    arrays = _ARRAY.findall(lhs or "")
+    contracting = _CONTRACTING.search(rest)
+    arrays = _ARRAY.findall(_first_operand(rest, shapes))
     if not arrays or contracting is None:
         return 0
     dims = [_dimension(d) for d in arrays[0][1].split(",") if d.strip()]
@@ -337,11 +335,16 @@ def _callees(attributes: str, trip: int | None) -> Iterator[tuple[str, int]]:
             yield name, runs
 
 
+def _first_operand(rest: str, shapes: dict[str, str]) -> str:
+    """The shape text of an instruction's first operand (typed inline, or an earlier
+    instruction's); "" when unknown."""
+    first = _FIRST_OPERAND.match(rest)
+    return (first and (first.group(1) or shapes.get(first.group(2)))) or ""
+
+
 def _operand_bytes(rest: str, shapes: dict[str, str]) -> int:
-    """Bytes of an instruction's first operand (typed inline, or an earlier instruction's)."""
-    first = _FIRST_ARGUMENT.match(rest)
-    shape = first.group(1) or shapes.get(first.group(2), "")
-    return sum(_array_bytes(dtype, dims) for dtype, dims in _ARRAY.findall(shape))
+    """Bytes of an instruction's first operand."""
+    return sum(_array_bytes(dtype, dims) for dtype, dims in _ARRAY.findall(_first_operand(rest, shapes)))
 
 
 def _result_bytes(opcode: str, shape: str) -> int:

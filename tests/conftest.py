@@ -140,14 +140,3 @@ def start_cli(args, devices: int = 8, module: str = "jaxscale.train", flags: str
 
 assert jax.device_count() == 8, "tests expect 8 fake CPU devices; was jax imported before conftest?"
 
-
-# The slowest files first. `make test` runs two workers that each take the next file when they
-# are free (--dist loadfile): started last, a long file leaves the other worker idle at the end.
-SLOWEST_FIRST = ("test_topology.py", "test_benchmarks.py", "test_moe.py", "test_pipeline.py",
-                 "test_multiprocess.py", "test_elastic.py", "test_faults.py", "test_step.py", "test_plan.py",
-                 "test_fp8.py", "test_train.py", "test_notebook.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOWEST_FIRST)))

@@ -313,17 +313,16 @@ def dispatch_combine(x_BLD, routing: Routing, w: dict, num_experts: int, cap: in
     """sum_k weight_k * expert_k(x) for every token, through capacity buffers of `cap` slots a
     row, or dropless (cap 0): with strategy.experts=all_to_all the experts are split over
     `expert` (exchanges inside shard_map), else they run on this program's devices."""
+    layout = strategy.layout
     if cap:
         assigned, run = _slots(routing, num_experts, cap), functools.partial(_local, num_experts=num_experts,
                                                                               cap=cap, llama=llama)
     else:
-        layout = strategy.layout
-        ragged = layout is not None and layout.mesh.devices.flat[0].platform != "cpu"
+        native = layout is not None and layout.mesh.devices.flat[0].platform != "cpu"  # XLA:CPU has none
         assigned, run = routing.experts, functools.partial(_dropless, num_experts=num_experts, llama=llama,
-                                                           exchange=ragged)
+                                                           exchange=native)
     if strategy.experts == "local":
         return run(x_BLD, assigned, routing.weights, w, groups=1)
-    layout = strategy.layout
     run = functools.partial(run, groups=layout.mesh.shape[AXIS])
     context = jax.sharding.get_abstract_mesh()
     if not context.empty and AXIS in context.manual_axes:  # in the layer's map (parallel.fsdp) or a

@@ -281,10 +281,9 @@ class Transformer(nnx.Module):
     def _scan_groups(self, x_BLD, places, cache=None):
         """An MoE model's layers (see MoEStacks), scanned over groups: (x_BLD, the updated cache or
         None, the router statistics averaged over the MoE layers). Remat, as set, per layer."""
-        x_BLD, cache, totals, load_GX = self._groups()(nnx.to_pure_dict(nnx.split(self.layers)[1]), x_BLD,
-                                                       places, cache)
-        groups = self.spec.num_layers // self.spec.moe.every_n_layers
-        return x_BLD, cache, self.router_stats({name: total / groups for name, total in totals.items()}, load_GX)
+        x_BLD, cache, means, load_GX = self._groups()(nnx.to_pure_dict(nnx.split(self.layers)[1]), x_BLD,
+                                                      places, cache)
+        return x_BLD, cache, self.router_stats(means, load_GX)
 
     def router_stats(self, means: dict, load_GX) -> dict:
         """The reported statistics of an MoE model: STATS' means over its MoE layers, MAX_LOAD
@@ -296,10 +295,12 @@ class Transformer(nnx.Module):
 
     def _groups(self):
         """run(the layers' params {'dense', 'moe'}, x_BLD, places, cache) -> (x_BLD, the updated
-        cache or None, STATS summed over the MoE layers, each MoE layer's load [groups, X]): the
-        groups in order, each n-1 dense layers and an MoE layer, on whichever groups the
-        parameters hold (all of them, or a pipeline stage's)."""
+        cache or None, STATS summed over these MoE layers divided by the model's count of them,
+        each MoE layer's load [groups, X]): the groups in order, each n-1 dense layers and an MoE
+        layer, on whichever groups the parameters hold (all of them, or a pipeline stage's, whose
+        shares the executor adds up over stages)."""
         n = self.spec.moe.every_n_layers
+        model_groups = self.spec.num_layers // n
         moe_def, moe_state = nnx.split(self.layers.moe)
         dense_def, dense_state = nnx.split(self.layers.dense) if n > 1 else (None, None)
         moe_dims = self._stored_dims(moe_state)
@@ -329,19 +330,19 @@ class Transformer(nnx.Module):
             zeros = {name: jnp.zeros((), jnp.float32) for name in STATS}
             (x_BLD, totals), (caches, load_GX) = jax.lax.scan(group, (x_BLD, zeros),
                                                               (dense_params, params["moe"], caches))
-            return x_BLD, jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), caches), totals, load_GX
+            means = {name: total / model_groups for name, total in totals.items()}
+            return x_BLD, jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), caches), means, load_GX
 
         return run
 
     def moe_stage_fn(self):
-        """run(a pipeline stage's layer params, x, places) -> (x, statistics): its groups (see
-        _groups) and, for the executor to add up over stages, STATS summed over its MoE layers
-        divided by the model's count of them, and its layers' loads [groups here, X]."""
-        groups, run = self.spec.num_layers // self.spec.moe.every_n_layers, self._groups()
+        """run(a pipeline stage's layer params, x, places) -> (x, statistics): its groups and
+        their STATS shares and loads (see _groups), for the executor to add up over stages."""
+        run = self._groups()
 
         def stage(params, x_BLD, places):
-            x_BLD, _, totals, load_GX = run(params, x_BLD, places, None)
-            return x_BLD, {**{name: total / groups for name, total in totals.items()}, LOAD: load_GX}
+            x_BLD, _, means, load_GX = run(params, x_BLD, places, None)
+            return x_BLD, {**means, LOAD: load_GX}
 
         return stage
 

@@ -56,15 +56,20 @@ def send(rows_TD, r: Routes, axis: str, most: int, ragged: bool):
     """This device's rows (sorted by group) to their owners: [most, D] (`most`: the rows that
     can arrive), sorted by local group then sender, zeros past the rows received."""
     output = jnp.zeros((most, *rows_TD.shape[1:]), rows_TD.dtype)
-    exchange = jax.lax.ragged_all_to_all if ragged else emulated
-    return exchange(rows_TD, output, r.send_offsets, r.send_sizes, r.land_offsets, r.recv_sizes, axis_name=axis)
+    return _exchange(ragged)(rows_TD, output, r.send_offsets, r.send_sizes, r.land_offsets, r.recv_sizes,
+                             axis_name=axis)
 
 
 def back(processed_MD, rows: int, r: Routes, axis: str, ragged: bool):
     """The processed rows home: [rows, D] in the order `send` took them."""
     output = jnp.zeros((rows, *processed_MD.shape[1:]), processed_MD.dtype)
-    exchange = jax.lax.ragged_all_to_all if ragged else emulated
-    return exchange(processed_MD, output, r.recv_offsets, r.recv_sizes, r.back_offsets, r.send_sizes, axis_name=axis)
+    return _exchange(ragged)(processed_MD, output, r.recv_offsets, r.recv_sizes, r.back_offsets, r.send_sizes,
+                             axis_name=axis)
+
+
+def _exchange(ragged: bool):
+    """The primitive where the backend has it, else its emulation."""
+    return jax.lax.ragged_all_to_all if ragged else emulated
 
 
 def emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name: str):
