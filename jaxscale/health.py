@@ -107,8 +107,9 @@ def _probe_kernel(x, iterations: int):
 
 
 def _probe_shape() -> tuple[int, int]:
-    """(matrix size, iterations): a few milliseconds on a CPU core or on an accelerator."""
-    return (512, 1) if jax.default_backend() == "cpu" else (4096, 10)
+    """(matrix size, iterations): tens of milliseconds on CPU cores (long enough that a pause of the
+    process by the OS shows up in it rather than falling between probes), a few on an accelerator."""
+    return (512, 4) if jax.default_backend() == "cpu" else (4096, 10)
 
 
 def probe_seconds(repeats: int = 3) -> float:

@@ -211,10 +211,10 @@ def test_dcn_multipliers_must_match_the_hosts():
 
 @pytest.mark.serial  # other tests' load on the cores would blur the slowdown it creates
 def test_a_slowed_process_is_reported_as_a_straggler(tmp_path):
-    """Once training runs, process 1 is stopped for 30 ms of every 40 (SIGSTOP/SIGCONT), as a host
-    with a quarter of its CPU would be. (Two busy loops on process 1's core, the earlier way, slowed
-    its few-ms probe by only 25-62%: the scheduler favours a process waking from a wait, and one
-    run in ten or so stayed under the 20% threshold.)"""
+    """Once training runs, process 1 runs 5 ms of every 35 (SIGSTOP/SIGCONT), as a host with a
+    seventh of its CPU would. The probe's compute (tens of ms on CPU) cannot fit in a 5 ms window,
+    so every timed repeat holds a 30 ms pause: far above the 20% threshold whatever the phase. (A
+    10 ms window and a few-ms probe let repeats fall between pauses, and a CI run missed the report.)"""
     procs = _spawn(tmp_path, OVERRIDES + ["train.steps=30", "train.log_every=1", "train.eval_every=0",
                                           "checkpoint.every_steps=0", "distributed.straggler_every=10"])
     done = threading.Event()
