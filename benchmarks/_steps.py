@@ -18,10 +18,10 @@ class Stepper(NamedTuple):
 def prepare(config, devices=None):
     """(the built Run, its train step compiled ahead of time, compile seconds, a fresh state, the
     run's training batches from the start) on `devices` (default: all); glibc malloc set up as the
-    CLI sets it (jaxscale/cpu_malloc.py)."""
-    from jaxscale import cpu_malloc
+    CLI sets it (jaxscale/runtime/cpu_malloc.py)."""
     from jaxscale.build import build
     from jaxscale.data import make_data
+    from jaxscale.runtime import cpu_malloc
 
     cpu_malloc.apply_cpu_defaults(config.xla)  # before JAX starts its CPU threads
     run = build(config, devices)

@@ -26,7 +26,7 @@ the collectives chained inside one call by lax.fori_loop to amortise dispatch. T
 loop also slices its output back to the input (SIZE/n bytes) and the reduce-scatter loop writes
 its result into its input (SIZE/n bytes), so their times include that much copying. The
 compiled program is checked: `hlo` in each row counts the collectives XLA actually runs per call
-(jaxscale.profile), which shows when a backend lowers one collective as another, and
+(jaxscale.analysis.hlo_stats), which shows when a backend lowers one collective as another, and
 `hlo_result_bytes` sums their per-device result sizes, which shows the size the program moves.
 With several processes (--distributed) each times its own calls and process 0 reports.
 """
@@ -136,7 +136,7 @@ def measure(mesh, axis: str, collective: str, size: int, repeats: int, iters: in
     """One row: the per-collective time and bandwidths for SIZE bytes (see the module docstring)."""
     import jax
 
-    from jaxscale.profile import collective_stats
+    from jaxscale.analysis.hlo_stats import collective_stats
 
     n = mesh.shape[axis]
     elements = max(size // 4 // n, 1) * n  # float32, a multiple of n

@@ -7,8 +7,8 @@
 Every combination runs in a fresh process (XLA reads its flags once, when the backend starts):
 bfloat16 compute, the attention kernel `auto` picks (cuDNN flash attention on NVIDIA GPUs),
 synthetic tokens, the compiled train step timed over `--steps` steps after two warm-up steps
-(median), MFU by the PaLM convention against the device's dense bf16 peak (jaxscale/metrics.py).
-`--flag_sets`: `jaxscale` = jaxscale's GPU defaults (jaxscale/xla_flags.py), `none` = XLA's own
+(median), MFU by the PaLM convention against the device's dense bf16 peak (jaxscale/analysis/mfu.py).
+`--flag_sets`: `jaxscale` = jaxscale's GPU defaults (jaxscale/runtime/xla_flags.py), `none` = XLA's own
 defaults. A combination that does not fit in memory is reported as such, not fatal. `--profile`
 also traces 3 steps of each (jax.profiler) and adds where the GPU's kernel time goes, by class
 (benchmarks/_kernels.py: GEMMs by dtype, cuDNN attention forward and backward, copies, the
@@ -41,7 +41,7 @@ def _worker(args) -> dict:
     import jax
 
     from jaxscale import config as config_lib
-    from jaxscale import metrics
+    from jaxscale.analysis import mfu
 
     config = config_lib.load(args.config)
     config_lib.apply_overrides(config, [
@@ -61,7 +61,7 @@ def _worker(args) -> dict:
     tokens_per_sec = args.batch * args.seq_len / step_s
     memory = compiled.memory_analysis()
     return {"step_s": step_s, "tokens_per_sec": tokens_per_sec, "compile_s": compile_s,
-            "mfu": metrics.mfu(tokens_per_sec, run.flops_per_token, run.layout.mesh.size, run.peak_tflops),
+            "mfu": mfu.mfu(tokens_per_sec, run.flops_per_token, run.layout.mesh.size, run.peak_tflops),
             "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
             "attention": run.model.spec.attention_impl,
             "temp_bytes": getattr(memory, "temp_size_in_bytes", None), "loss": float(out["loss"]),
@@ -85,7 +85,7 @@ def _profile(compiled, state, batches, steps: int = 3) -> dict[str, float]:
 
 def _combination_env(flag_set: str) -> dict:
     """The worker's environment: the flag set is chosen here, before its JAX starts."""
-    from jaxscale import xla_flags
+    from jaxscale.runtime import xla_flags
 
     env = dict(os.environ)
     if flag_set == "jaxscale":

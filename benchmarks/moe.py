@@ -42,7 +42,7 @@ def layouts(devices: int, smoke: bool = False) -> dict[str, list[str]]:
 
 def measure(config_path: str, overrides: list[str], devices: int, rounds: int, steps: int, smoke: bool = False) -> dict:
     from jaxscale import config as config_lib
-    from jaxscale import metrics as metrics_lib
+    from jaxscale.analysis import mfu
 
     prepared = {}
     for name, extra in layouts(devices, smoke).items():
@@ -54,8 +54,8 @@ def measure(config_path: str, overrides: list[str], devices: int, rounds: int, s
     for name, s in prepared.items():
         run, params = s.run, s.run.abstract_state.params
         rows.append({"layout": name, "step_s": medians[name], "mesh": dict(run.layout.mesh.shape),
-                     "params": metrics_lib.matmul_params(params, run.model.spec),
-                     "active_params": metrics_lib.active_params(params, run.model.spec),
+                     "params": mfu.matmul_params(params, run.model.spec),
+                     "active_params": mfu.active_params(params, run.model.spec),
                      "temp_bytes": s.compiled.memory_analysis().temp_size_in_bytes,
                      "dropped": float(s.live["metrics"].get("moe_dropped", 0.0))})
     for row in rows:

@@ -47,7 +47,7 @@ def _bubble_free(times: dict[int, float]) -> float:
 
 def _permutes(compiled) -> int:
     """Stage-to-stage transfers the compiled step runs: one each way per tick of the table."""
-    from jaxscale.profile import collective_stats
+    from jaxscale.analysis.hlo_stats import collective_stats
 
     return collective_stats(compiled.as_text())["collective-permute"]["count"]
 

@@ -1,5 +1,5 @@
 """Time to first step of `python -m jaxscale.train`: a first start, then a second identical one
-that finds its programs in the caches (jaxscale.program_cache, JAX's persistent compilation cache).
+that finds its programs in the caches (jaxscale.runtime.program_cache, JAX's persistent compilation cache).
 
     python benchmarks/startup.py [--config=configs/tiny.py] [--repeats=3] [--json] [--append] [--smoke]
 

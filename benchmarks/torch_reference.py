@@ -18,7 +18,7 @@ Each side runs in a fresh process of its own: PyTorch's never imports JAX or jax
 reported as torch_process_imported), so neither runtime's threads, heap or malloc settings slow
 the other. This driver imports neither until it reports. Rounds alternate between the two
 processes, `--steps` steps each, after `--warmup` steps of each (steady state: in its first tens
-of steps jaxscale's heap still grows, jaxscale/cpu_malloc.py); medians over rounds, ratio
+of steps jaxscale's heap still grows, jaxscale/runtime/cpu_malloc.py); medians over rounds, ratio
 jaxscale / torch. `--torch_in_process` adds a third column: PyTorch's step inside the jaxscale
 process, as it runs beside JAX.
 """

@@ -20,14 +20,15 @@ import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxscale import determinism, program_cache
-from jaxscale import metrics as metrics_lib
+from jaxscale import determinism
 from jaxscale import state as state_lib
+from jaxscale.analysis import mfu
 from jaxscale.guard import GuardSpec
 from jaxscale.mesh import granule_count
 from jaxscale.models import LanguageModel, model_from_config
 from jaxscale.offload import OffloadSpec, check_supported, to_device_kind
 from jaxscale.optim import make_optimizer
+from jaxscale.runtime import program_cache
 from jaxscale.sharding import Layout, layout_from_config
 from jaxscale.state import TrainState
 from jaxscale.step import StepSpec, jit_eval_step, jit_train_step
@@ -121,10 +122,10 @@ def build(config, devices=None, platform: str | None = None) -> Run:
     abstract, shardings = state_lib.abstract(model, tx, layout, guard, offload)
     spec = StepSpec(model, tx, schedule, layout, shardings, config.train.grad_accum_steps, guard,
                     determinism.compiler_options(config, platform))
-    n = metrics_lib.active_params(abstract.params, model.spec)
+    n = mfu.active_params(abstract.params, model.spec)
     return Run(config=ml_collections.FrozenConfigDict(config), platform=platform, layout=layout, model=model,
                offload=offload, step_spec=spec, abstract_state=abstract, notes=tuple(notes + model_notes),
-               flops_per_token=metrics_lib.flops_per_token(model.spec, n, config.train.seq_len),
+               flops_per_token=mfu.flops_per_token(model.spec, n, config.train.seq_len),
                peak_tflops=config.metrics.peak_tflops or _table_peak(platform, devices))
 
 
@@ -143,4 +144,4 @@ def _model(config, platform: str, layout: Layout) -> tuple[LanguageModel, list[s
 
 def _table_peak(platform: str, devices) -> float | None:
     """The peak of the devices the run is built on, when they are the platform's own."""
-    return metrics_lib.peak_tflops(devices[0].device_kind) if devices[0].platform == platform else None
+    return mfu.peak_tflops(devices[0].device_kind) if devices[0].platform == platform else None

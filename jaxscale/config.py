@@ -163,10 +163,11 @@ def _add_operations(c: ml_collections.ConfigDict) -> None:
         steps=0,               # 0 = no trace
     )
     c.xla = dict(
-        gpu_defaults=True,     # set jaxscale's XLA flags on NVIDIA GPUs (jaxscale/xla_flags.py); yours win
-        cpu_defaults=True,     # on the CPU, glibc malloc keeps XLA:CPU's step buffers (jaxscale/cpu_malloc.py);
+        gpu_defaults=True,     # set jaxscale's XLA flags on NVIDIA GPUs (jaxscale/runtime/xla_flags.py); yours win
+        cpu_defaults=True,     # on the CPU, glibc malloc keeps XLA:CPU's step buffers (jaxscale/runtime/cpu_malloc.py);
                                # any MALLOC_* you set wins
-        compile_cache=True,    # a second start skips compiling (compile_cache.py) and tracing (program_cache.py)
+        compile_cache=True,    # a second start skips compiling (runtime/jax_cache.py) and tracing
+                               # (runtime/program_cache.py)
         compile_cache_dir="",  # default: $JAXSCALE_COMPILE_CACHE_DIR, else ~/.cache/jaxscale/xla; "off" = no cache
     )
     c.tracking = dict(

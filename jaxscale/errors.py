@@ -21,7 +21,7 @@ class RunError(RuntimeError):
 
 
 class PreflightError(RunError):
-    """A pre-flight check of a multi-process job failed on some process (jaxscale.preflight): the
+    """A pre-flight check of a multi-process job failed on some process (jaxscale.runtime.preflight): the
     CLI prints it as one line and exits with code 3, before the model compiles."""
 
 

@@ -21,8 +21,9 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from jaxscale import cli, profile, topology
+from jaxscale import cli
 from jaxscale import state as state_lib
+from jaxscale.analysis import hlo_stats, topology
 from jaxscale.build import build
 from jaxscale.errors import ConfigError
 from jaxscale.models.moe import expert_param_count
@@ -121,7 +122,7 @@ def describe(config, run, compiled, compile_s: float) -> dict:
     platform = run.platform
     memory, params = compiled.memory_analysis(), run.abstract_state.params
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-    totals = profile.step_totals(compiled.as_text())
+    totals = hlo_stats.step_totals(compiled.as_text())
     per_device = compiled_bytes(run, compiled)
     state = run.abstract_state
     return {"mesh": dict(run.layout.mesh.shape), "zero_stage": run.layout.zero_stage,
@@ -208,7 +209,7 @@ def table(plan: dict) -> str:
                 f"{flops['compiled_per_device'] / 1e12:,.3f} T compiled")
     rows.append(f"matmul FLOPs per device per step: {compiled}, {flops['formula_per_device'] / 1e12:,.3f} T by the "
                 "formula" + ("" if flops["ratio"] is None else f" (ratio {flops['ratio']:.2f})"))
-    rows.append("collectives per step:\n" + profile.summarize(plan["collectives"]))
+    rows.append("collectives per step:\n" + hlo_stats.summarize(plan["collectives"]))
     rows.append(_by_axis_table(plan["collectives_by_axis"]))
     rows += [f"note: {note}" for note in plan.get("notes", [])]
     return "\n".join(rows)

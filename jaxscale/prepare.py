@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 
 from jaxscale import cli
-from jaxscale.data import prepare as engine
-from jaxscale.data import store
+from jaxscale.data import build_store, store
 from jaxscale.data.tokenize import load_tokenizer
 from jaxscale.errors import require
 
@@ -84,10 +83,10 @@ def prepare(flags: dict, say=print) -> dict:
     require(workers >= 1, "--workers", workers, "must be >= 1")
     require(shard_mb > 0, "--shard_mb", shard_mb, "must be > 0 (input megabytes per shard)")
     spec, text_field, out = flags.get("tokenizer", "bytes"), flags.get("text_field", "text"), Path(flags["out"])
-    with engine.flag_errors():
+    with build_store.flag_errors():
         tokenizer = load_tokenizer(spec)
-        manifest, units = engine.plan(flags["input"], tokenizer, spec, text_field, max(1, int(shard_mb * 2**20)))
-    engine.begin(out, manifest)
+        manifest, units = build_store.plan(flags["input"], tokenizer, spec, text_field, max(1, int(shard_mb * 2**20)))
+    build_store.begin(out, manifest)
     written = {i for i in range(len(units)) if store.is_done(out, i)}
     todo = [(i, u, str(out), text_field) for i, u in enumerate(units) if i not in written]
     kept = sum(units[i].size for i in written)
@@ -97,7 +96,7 @@ def prepare(flags: dict, say=print) -> dict:
     bar, stop = _bar(flags.get("progress", True), total), threading.Event()
 
     def counters_for(shared):
-        counters.append(engine.Counters(shared))
+        counters.append(build_store.Counters(shared))
         counters[0].add(kept, 0)
         return counters[0]
 
@@ -106,13 +105,13 @@ def prepare(flags: dict, say=print) -> dict:
         if watcher:
             watcher.start()
         try:
-            with engine.flag_errors():
-                engine.run(todo, spec, workers, counters_for, lambda index: None)
+            with build_store.flag_errors():
+                build_store.run(todo, spec, workers, counters_for, lambda index: None)
         finally:
             stop.set()
             if watcher:
                 watcher.join()
-    done = engine.finish(out, manifest)
+    done = build_store.finish(out, manifest)
     seconds = time.perf_counter() - start
     made = sum(done["shards"][task[0]]["tokens"] for task in todo)
     say(f"prepared {out}: {len(units)} shards, {done['tokens']:,} tokens, {done['documents']:,} documents from "

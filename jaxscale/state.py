@@ -19,11 +19,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxscale import guard as guard_lib
-from jaxscale import program_cache
 from jaxscale import sharding as shd
 from jaxscale.guard import GuardSpec
 from jaxscale.models import LanguageModel
 from jaxscale.offload import OffloadSpec, to_host
+from jaxscale.runtime import program_cache
 
 
 @jax.tree_util.register_dataclass
@@ -101,7 +101,7 @@ def init(model: LanguageModel, tx: optax.GradientTransformation, seed: int, layo
          offload: OffloadSpec = OffloadSpec(), cache_key: str | None = None) -> tuple[TrainState, TrainState]:
     """(state, its shardings): compiled once, each device materialises only its shards. Given
     `params` (already on their shardings) they are donated into the state, not copied. With a
-    `cache_key` (jaxscale.program_cache) the compiled initialisation is loaded or kept whole."""
+    `cache_key` (jaxscale.runtime.program_cache) the compiled initialisation is loaded or kept whole."""
     out = shardings(model, tx, layout, guard, offload)
     make = jax.jit(functools.partial(create, model, tx, seed, guard), out_shardings=out, donate_argnums=0)
     if cache_key is None:

@@ -15,8 +15,9 @@ USAGE = "usage: python -m jaxscale.train --config=PATH [--config.section.key=val
 
 
 def _train(config, path: str, flags: dict) -> None:
-    from jaxscale import cpu_malloc, distributed, xla_flags  # after parsing: bad flags fail before the model is built
-    from jaxscale.loop import train
+    # imported after parsing: bad flags fail before the model is built
+    from jaxscale.runtime import cpu_malloc, distributed, xla_flags
+    from jaxscale.runtime.loop import train
 
     xla_flags.apply_gpu_defaults(config.xla)  # before JAX starts the GPU backend
     cpu_malloc.apply_cpu_defaults(config.xla)  # before JAX starts its CPU threads
@@ -29,12 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     code = cli.main(_train, USAGE, {"workdir": str}, argv)
     if "jax" not in sys.modules:  # help or a bad flag: JAX never started
         return code
-    from jaxscale import distributed
+    from jaxscale.runtime import distributed
 
     return distributed.leave(code)
 
 
 if __name__ == "__main__":
-    # A fresh interpreter running jaxscale as it is on disk: whole programs may be kept (program_cache.py).
+    # A fresh interpreter running jaxscale as it is on disk: whole programs may be kept (runtime/program_cache.py).
     os.environ.setdefault("JAXSCALE_PROGRAM_CACHE", "1")
     sys.exit(main())

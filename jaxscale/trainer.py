@@ -1,6 +1,6 @@
 """Training from a notebook or any Python code, on the same code path as `python -m jaxscale.train`.
 
-    from jaxscale import Trainer, config
+    from jaxscale import config, Trainer
     cfg = config.load("configs/tiny.py")
     trainer = Trainer(cfg, workdir="runs/nb")      # resumes if runs/nb has a checkpoint
     trainer.add_hook(lambda info: print(info.step, info.record), every=10)   # your own, after each 10th step
@@ -25,9 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale import cpu_malloc, inspection, loop
-from jaxscale.hooks import StepInfo, UserHook
-from jaxscale.session import open_session
+from jaxscale.analysis import inspection
+from jaxscale.runtime import cpu_malloc, loop
+from jaxscale.runtime.hooks import StepInfo, UserHook
+from jaxscale.runtime.session import open_session
 
 
 class Trainer:

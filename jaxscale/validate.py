@@ -8,13 +8,15 @@ settings, then how the model and batch meet the mesh, then data, checkpoint and 
 
 from __future__ import annotations
 
-from jaxscale import distributed, guard, health, mesh, metrics, optim, sharding, tracing, tracking
+from jaxscale import guard, mesh, optim, sharding, tracking
+from jaxscale.analysis import mfu
 from jaxscale.checkpoint import settings as checkpoint_settings
 from jaxscale.config import check_keys
 from jaxscale.data import settings as data_settings
 from jaxscale.errors import require_non_negative, require_positive
 from jaxscale.models import checks as model_checks
 from jaxscale.parallel import context, microbatch, pipeline
+from jaxscale.runtime import distributed, health, profiler
 
 
 def validate(config, device_count: int, granules: int = 1) -> None:
@@ -34,7 +36,7 @@ def _check_settings(config) -> None:
     """The checks that need only the config."""
     model_checks.check_model(config)
     _check_train(config)
-    for part in (optim, guard, distributed, health, tracing, metrics):
+    for part in (optim, guard, distributed, health, profiler, mfu):
         part.check(config)
 
 

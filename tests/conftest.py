@@ -65,21 +65,56 @@ def make_layout(devices: int | None = None, zero_stage: int = 0, **sizes):
     return Layout.of(make_mesh(axes, jax.devices()[:count]), zero_stage=zero_stage)
 
 
+def build_for(spec, *, optim=None, accum: int = 1, rows: int = 32, seq_len: int = 32, dtype: str = "float32",
+              zero_stage: int = 0, sequence_parallel: bool = False, devices: int | None = None,
+              schedule: str = "gpipe", microbatches: int = 1, virtual_stages: int = 1, context: str = "ring",
+              schedule_file: str = "", **sizes):
+    """`build()` of the config that describes the ModelSpec `spec` (its strategy and weights set
+    by the layout and `dtype`), on the mesh `sizes` over the first `devices` devices (default: the
+    product of sizes). The run's model is checked to be `spec`: every field maps to a config key."""
+    import dataclasses
+    import math
+
+    from jaxscale.build import build
+    from jaxscale.config import defaults
+    from jaxscale.guard import GuardSpec
+    from jaxscale.mesh import AXES
+
+    config = defaults()
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    config.model.update({k: v for k, v in fields.items() if k in config.model and k != "moe"})
+    config.model.moe.update(dataclasses.asdict(spec.moe))
+    config.model.attention.update(impl=spec.attention_impl, block_size=spec.attention_block, context_parallel=context)
+    config.model.update(dtype=dtype, layer_loop="scan" if spec.scan_layers else "unroll",
+                        projections="cpu" if spec.cpu_matmul else "einsum")
+    axes = {axis: sizes.pop(axis, 1) for axis in AXES}
+    assert not sizes, f"not mesh axes: {sorted(sizes)}"
+    config.mesh.update(axes)
+    config.update(zero_stage=zero_stage)
+    config.sharding.sequence_parallel = sequence_parallel
+    config.train.update(steps=10, global_batch_size=rows, seq_len=seq_len, grad_accum_steps=accum)
+    config.optim = optim if optim is not None else config.optim
+    config.pipeline.update(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,
+                           schedule_file=schedule_file)
+    run = build(config, jax.devices()[:devices or math.prod(axes.values())])
+    got = dataclasses.replace(run.model.spec, strategy=spec.strategy, weights=spec.weights)
+    assert got == spec and run.guard == GuardSpec(), (got, spec)
+    return run
+
+
 _INITIAL_STATES = {}
 
 
-def initial_state(model, tx, layout, key):
-    """(state, shardings) equal to `state.init(model, tx, 0, layout)`, without compiling an init
-    program per layout: the initial state is a pure function of the seed, so it is made once per
-    `key` (naming the model spec and the optimizer settings) on one device and placed on each
-    layout's shardings."""
+def initial_state(run, key):
+    """`run.init_state()`'s state, without compiling an init program per layout: the initial
+    state is a pure function of the seed, so it is made once per `key` (naming the model spec and
+    the optimizer settings) on one device and placed on each run's shardings."""
     from jaxscale import state as state_lib
 
     if key not in _INITIAL_STATES:
-        plain = model.unsharded()
-        _INITIAL_STATES[key] = jax.device_get(jax.jit(lambda: state_lib.create(plain, tx, 0))())
-    shardings = state_lib.shardings(model, tx, layout)
-    return jax.device_put(_INITIAL_STATES[key], shardings), shardings
+        plain, tx = run.model.unsharded(), run.step_spec.tx
+        _INITIAL_STATES[key] = jax.device_get(jax.jit(lambda: state_lib.create(plain, tx, 0, run.guard))())
+    return jax.device_put(_INITIAL_STATES[key], run.shardings)
 
 
 def sent_by_axis(plan: dict) -> dict[tuple[str, str], float]:

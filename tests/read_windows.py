@@ -9,8 +9,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxscale import cli, distributed
+from jaxscale import cli
 from jaxscale.data import make_data
+from jaxscale.runtime import distributed
 
 
 def main(out: str, start: int, stop: int, overrides: list[str]) -> None:

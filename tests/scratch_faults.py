@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 
-from jaxscale import cpu_malloc
 from jaxscale.config import defaults
+from jaxscale.runtime import cpu_malloc
 
 
 @jax.jit

@@ -18,8 +18,8 @@ from conftest import small_config
 from jaxscale.build import build
 from jaxscale.checkpoint import CORRUPT_DIR, Checkpointer, digest
 from jaxscale.errors import ConfigError
-from jaxscale.loop import train
-from jaxscale.workdir import WorkdirLock
+from jaxscale.runtime.loop import train
+from jaxscale.runtime.workdir import WorkdirLock
 
 
 def _committed(workdir):

@@ -11,8 +11,8 @@ from conftest import run_cli  # noqa: E402
 from jaxscale import config as config_lib  # noqa: E402
 from jaxscale.checkpoint import load_params  # noqa: E402
 from jaxscale.convert import to_hf  # noqa: E402
-from jaxscale.loop import train  # noqa: E402
 from jaxscale.models import model_from_config  # noqa: E402
+from jaxscale.runtime.loop import train  # noqa: E402
 
 TOKENS = np.random.default_rng(0).integers(0, 256, (1, 12))
 

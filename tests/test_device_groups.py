@@ -2,8 +2,8 @@
 
 import pytest
 
-from jaxscale import device_groups
-from jaxscale.profile import step_totals
+from jaxscale.analysis import device_groups
+from jaxscale.analysis.hlo_stats import step_totals
 
 MESH = {"data": 2, "fsdp": 4}  # device i at numpy.unravel_index(i, (2, 4))
 

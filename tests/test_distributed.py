@@ -4,12 +4,13 @@ launcher's flags; straggler arithmetic."""
 import pytest
 
 from conftest import ROOT
-from jaxscale import cli, distributed
+from jaxscale import cli
 from jaxscale.config import defaults
 from jaxscale.errors import ConfigError
-from jaxscale.health import stragglers
 from jaxscale.launch import child_env, parse
 from jaxscale.mesh import axis_sizes
+from jaxscale.runtime import distributed
+from jaxscale.runtime.health import stragglers
 from jaxscale.validate import validate
 
 SLURM = {"SLURM_JOB_ID": "77", "SLURM_STEP_NODELIST": "node[001-004]", "SLURM_NTASKS": "4", "SLURM_PROCID": "2",

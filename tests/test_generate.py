@@ -125,7 +125,7 @@ def trained(tmp_path_factory):
     config.train.update(steps=60, log_every=10, eval_every=0)
     config.optim.lr = 1e-2
     config.checkpoint.every_steps = 0  # saved once, at the last step
-    from jaxscale.loop import train
+    from jaxscale.runtime.loop import train
 
     records = train(config, root / "run", show_progress=False)
     assert records[-1]["loss"] < 0.05, records

@@ -1,14 +1,15 @@
 """Plans for NVIDIA GPU hosts, compiled by XLA's GPU compiler on this CPU host (JAX's CUDA plugin
-against a described target: jaxscale.gpu_targets), and GPU topology names."""
+against a described target: jaxscale.analysis.gpu_targets), and GPU topology names."""
 
 import json
 
 import pytest
 
 from conftest import ROOT, run_cli
-from jaxscale import cli, metrics, topology
+from jaxscale import cli
+from jaxscale.analysis import mfu, topology
+from jaxscale.analysis.gpu_targets import GPUS
 from jaxscale.errors import ConfigError
-from jaxscale.gpu_targets import GPUS
 from sends import Sizes, assert_sends
 
 # The datasheets: H100 SXM5, 80 GB HBM3 at 3.35 TB/s; H200, 141 GB HBM3e at 4.8 TB/s; both 989
@@ -24,7 +25,7 @@ def test_gpu_names(name, gpus, shape):
     gib, bandwidth, peak = DATASHEET[pod.generation]
     gpu = GPUS[pod.generation]
     assert (gib - 1) * 2**30 < pod.hbm_per_chip <= gib * 2**30
-    assert gpu.memory_bandwidth == pytest.approx(bandwidth, rel=0.01) and metrics.peak_tflops(gpu.name) == peak
+    assert gpu.memory_bandwidth == pytest.approx(bandwidth, rel=0.01) and mfu.peak_tflops(gpu.name) == peak
 
 
 @pytest.mark.parametrize("name, words", [("h100-12", "a multiple of 8"), ("a100-8", "GPUs such as h100-8")])

@@ -11,7 +11,7 @@ from jaxscale import guard as guard_lib
 from jaxscale.build import build
 from jaxscale.data import make_data
 from jaxscale.guard import GuardSpec
-from jaxscale.loop import train
+from jaxscale.runtime.loop import train
 
 
 def _guard(losses, seen):

@@ -174,7 +174,7 @@ def test_a_source_checkout_runs_without_being_installed():
     code = ("import importlib.metadata as m\nreal = m.version\n"
             "def version(name):\n    if name == 'jaxscale':\n        raise m.PackageNotFoundError(name)\n"
             "    return real(name)\nm.version = version\n"
-            "from jaxscale import session\nprint(session.VERSIONS['jaxscale'])")
+            "from jaxscale.runtime import session\nprint(session.VERSIONS['jaxscale'])")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-1] == jaxscale.__version__ == importlib.metadata.version("jaxscale")

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from jaxscale import metrics
+from jaxscale.analysis import mfu
 from jaxscale.models import LanguageModel, ModelSpec
 
 
@@ -30,14 +30,14 @@ from jaxscale.models import LanguageModel, ModelSpec
     ("TPU v6 lite", 918.0),                  # v6e (Trillium)
 ])
 def test_a_known_device_kind_resolves_to_its_own_peak(device_kind, peak):
-    assert metrics.peak_tflops(device_kind) == peak
+    assert mfu.peak_tflops(device_kind) == peak
 
 
 @pytest.mark.parametrize("device_kind", ["cpu", "NVIDIA A10G", "NVIDIA L40", "Tesla V100-SXM2-16GB", "TPU v3",
                                          "AMD Instinct MI300X", ""])
 def test_an_unknown_device_has_no_peak(device_kind):
     # A wrong peak would report a plausible but false MFU; None shows it as unknown.
-    assert metrics.peak_tflops(device_kind) is None
+    assert mfu.peak_tflops(device_kind) is None
 
 
 def _compiled_flops(model: LanguageModel, batch: int, seq_len: int) -> float:
@@ -61,9 +61,9 @@ def test_flops_per_token_matches_the_compiled_step(tied):
                      vocab_size=512, max_seq_len=512, tie_embeddings=tied)
     batch, seq_len = 1, 512
     model = LanguageModel(spec)
-    n = metrics.matmul_params(jax.eval_shape(model.init, jax.random.PRNGKey(0)), spec)
-    formula = metrics.flops_per_token(spec, n, seq_len) * batch * seq_len
-    recompute = metrics.attention_recompute_flops_per_token(spec, seq_len) * batch * seq_len
+    n = mfu.matmul_params(jax.eval_shape(model.init, jax.random.PRNGKey(0)), spec)
+    formula = mfu.flops_per_token(spec, n, seq_len) * batch * seq_len
+    recompute = mfu.attention_recompute_flops_per_token(spec, seq_len) * batch * seq_len
     ratio = _compiled_flops(model, batch, seq_len) / (formula + recompute)
     # The compiled step also recomputes the attention scores in the backward (recompute: 0.049 of
     # the formula here). Measured 1.024 tied and untied (jax 0.10, CPU): the excess is the elementwise work (norms,
@@ -76,7 +76,7 @@ def test_flops_per_token_matches_the_compiled_step(tied):
 
 @pytest.mark.parametrize("layers, remat", [(2, "none"), (4, "none"), (2, "full")])
 def test_matmul_flops_of_the_compiled_step_count_every_layer(layers, remat):
-    """profile.dot_flops reads the compiled program's matmuls, loops multiplied by their trip
+    """hlo_stats.dot_flops reads the compiled program's matmuls, loops multiplied by their trip
     counts, against the FLOPs per token by hand from the spec (XLA's cost_analysis counts the layer
     loop once: 0.55 of them at 2 layers, 0.29 at 4, measured). N is the layers' projections
     (q, o: D x HQ; k, v: D x KQ; SwiGLU: 3 D x F) and the tied head (V x D); a token's forward
@@ -84,7 +84,7 @@ def test_matmul_flops_of_the_compiled_step_count_every_layer(layers, remat):
     4LHQT forward and 8LHQT backward, where the blockwise kernel recomputes the scores (2LHQT)
     too. Full remat runs each layer's forward again in the backward: its projections (2 x the
     layers' N) and the attention kernel's forward, at most 4LHQT (measured: 2LHQT, exactly)."""
-    from jaxscale import profile
+    from jaxscale.analysis import hlo_stats
 
     D, H, K, F, V, T = 128, 4, 2, 512, 512, 512
     spec = ModelSpec(family="llama", num_layers=layers, d_model=D, num_heads=H, num_kv_heads=K, d_ff=F,
@@ -101,7 +101,7 @@ def test_matmul_flops_of_the_compiled_step_count_every_layer(layers, remat):
     n_layers = layers * (2 * D * H * Q + 2 * D * K * Q + 3 * D * F)
     attention = layers * H * Q * T  # LHQT: one token's product with every key (or value), per layer
     per_token = 6 * (n_layers + V * D) + 14 * attention
-    got = profile.dot_flops(text) / T
+    got = hlo_stats.dot_flops(text) / T
     if remat == "none":
         assert got == pytest.approx(per_token, rel=1e-6)
     else:
@@ -111,5 +111,5 @@ def test_matmul_flops_of_the_compiled_step_count_every_layer(layers, remat):
 def test_mfu_is_achieved_flops_over_the_summed_peak():
     flops_per_token, devices, peak_tflops = 6e9, 2, 100.0
     half_the_peak = 0.5 * devices * peak_tflops * 1e12 / flops_per_token  # tokens/s
-    assert metrics.mfu(half_the_peak, flops_per_token, devices, peak_tflops) == pytest.approx(0.5)
-    assert metrics.mfu(half_the_peak, flops_per_token, devices, None) is None
+    assert mfu.mfu(half_the_peak, flops_per_token, devices, peak_tflops) == pytest.approx(0.5)
+    assert mfu.mfu(half_the_peak, flops_per_token, devices, None) is None

@@ -11,15 +11,12 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from conftest import ROOT, initial_state, main_cli, make_layout
+from conftest import ROOT, build_for, initial_state, main_cli, make_layout
 from jaxscale import config as config_lib
-from jaxscale import metrics as metrics_lib
-from jaxscale import state as state_lib
+from jaxscale.analysis import mfu
 from jaxscale.errors import ConfigError
 from jaxscale.models import LanguageModel, ModelSpec, Strategy
 from jaxscale.models.moe import MoE, MoESpec, capacity, expert_mlp, route
-from jaxscale.optim import make_optimizer
-from jaxscale.step import StepSpec, jit_train_step
 from jaxscale.validate import validate
 
 # 4 layers in groups of 2 (dense, then MoE); 8 experts, top-2. A capacity factor of
@@ -116,21 +113,22 @@ def _batch(rows=16, length=32, seed=0):
 
 
 def _run(layout, spec=SPEC, accum=1, steps=2, **strategy):
-    """Metrics of `steps` updates of `spec` on `layout` (fp32), and the last state."""
-    model = LanguageModel(ModelSpec(**{**spec.__dict__, "strategy": Strategy.for_layout(layout, **strategy)}))
-    tx, schedule = make_optimizer(config_lib.defaults().optim, 10)
-    state, shardings = initial_state(model, tx, layout, spec)
-    step = jit_train_step(StepSpec(model, tx, schedule, layout, shardings, accum))
-    history = []
+    """Metrics of `steps` updates of `spec` on `layout` (mesh sizes, see conftest.build_for; fp32),
+    and the last state."""
+    run = build_for(spec, accum=accum, rows=16, **layout, **strategy)
+    state, history = initial_state(run, spec), []
     for i in range(steps):
-        state, metrics = step(state, jax.device_put(_batch(seed=i), layout.batch_sharding()))
+        state, metrics = run.train_step(state, jax.device_put(_batch(seed=i), run.batch_sharding))
         history.append(jax.device_get(metrics))
     return history, state
 
 
+ONE = dict(devices=1)
+
+
 @pytest.fixture(scope="module")
 def reference():
-    return _run(make_layout(1))[0]
+    return _run(ONE)[0]
 
 
 LAYOUTS = {
@@ -142,7 +140,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_expert_parallel_equals_one_device(reference, name):
     """Loss, grad norm and router statistics of 2 steps within 1e-5 of one device; nothing dropped."""
-    got = _run(make_layout(**LAYOUTS[name]))[0]
+    got = _run(LAYOUTS[name])[0]
     for g, r in zip(got, reference):
         assert g["moe_dropped"] == 0 and r["moe_dropped"] == 0
         for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
@@ -160,8 +158,7 @@ def test_dropless_equals_the_capacity_path_that_drops_nothing(reference, name):
     one device: loss, grad norm and router statistics of 2 steps within 1e-5, on one device,
     inside the layers' map over data x fsdp, and with the experts split over expert=4 (rows
     exchanged raggedly, parallel.ragged); nothing dropped."""
-    layout = make_layout(**DROPLESS_LAYOUTS[name])
-    got = _run(layout, _with(SPEC, capacity_factor=0.0))[0]
+    got = _run(DROPLESS_LAYOUTS[name], _with(SPEC, capacity_factor=0.0))[0]
     for g, r in zip(got, reference):
         assert g["moe_dropped"] == 0
         for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
@@ -175,7 +172,7 @@ def test_the_tpu_compiler_runs_dropless_experts_as_ragged_dots_without_capacity_
     a whole sequence). With the experts split over expert=4, the rows travel by ragged
     all-to-all, there and back, forward and backward."""
     from jaxscale import plan as plan_lib
-    from jaxscale import topology
+    from jaxscale.analysis import topology
 
     devices, _ = topology.compile_only_devices("v5e-8")
     plans = {}
@@ -196,7 +193,7 @@ def test_dropless_shared_experts_untied_under_expert_parallelism_equal_one_devic
     """Dropless, two shared experts beside the routed ones, an untied head: expert=4 x data=2
     (rows exchanged raggedly) equals one device (2 steps)."""
     spec = ModelSpec(**{**_with(SPEC, num_shared=2, capacity_factor=0.0).__dict__, "tie_embeddings": False})
-    one, split = _run(make_layout(1), spec)[0], _run(make_layout(data=2, expert=4), spec)[0]
+    one, split = _run(ONE, spec)[0], _run(dict(data=2, expert=4), spec)[0]
     for g, r in zip(split, one):
         for key in ("loss", "grad_norm", "moe_aux_loss"):
             np.testing.assert_allclose(g[key], r[key], rtol=1e-5, err_msg=key)
@@ -204,13 +201,10 @@ def test_dropless_shared_experts_untied_under_expert_parallelism_equal_one_devic
 
 def _biases(layout, spec, steps, accum=1):
     """The selection biases after each of `steps` updates, and the first step's metrics."""
-    model = LanguageModel(ModelSpec(**{**spec.__dict__, "strategy": Strategy.for_layout(layout)}))
-    tx, schedule = make_optimizer(config_lib.defaults().optim, 10)
-    state, shardings = initial_state(model, tx, layout, spec)
-    step = jit_train_step(StepSpec(model, tx, schedule, layout, shardings, accum))
-    biases, first = [], None
+    run = build_for(spec, accum=accum, rows=16, **layout)
+    state, biases, first = initial_state(run, spec), [], None
     for i in range(steps):
-        state, metrics = step(state, jax.device_put(_batch(seed=i), layout.batch_sharding()))
+        state, metrics = run.train_step(state, jax.device_put(_batch(seed=i), run.batch_sharding))
         biases.append(np.asarray(state.params["layers"]["moe"]["mlp"]["bias_balance"]))
         first = first or jax.device_get(metrics)
     return biases, first
@@ -222,12 +216,12 @@ def test_bias_balancing_moves_each_bias_by_the_rate_the_same_on_any_layout():
     data=2 with 2 accumulation steps moves them exactly as one device does (the load is the
     whole batch's)."""
     spec = _with(SPEC, bias_rate=0.01, aux_loss_weight=0.0)
-    (one, two), metrics = _biases(make_layout(1), spec, 2)
+    (one, two), metrics = _biases(ONE, spec, 2)
     steps = np.round(one / 0.01, 4)
     assert one.shape == (2, 8) and set(steps.ravel()) <= {-1, 0, 1} and {-1, 1} <= set(steps.ravel())
     assert metrics["moe_max_load"] > 1  # some expert above an even share
     assert set(np.round(two / 0.01, 4).ravel()) <= {-2, -1, 0, 1, 2}
-    split, _ = _biases(make_layout(data=2, expert=4), spec, 2, accum=2)
+    split, _ = _biases(dict(data=2, expert=4), spec, 2, accum=2)
     np.testing.assert_allclose(split[-1], two, atol=1e-7)
 
 
@@ -247,7 +241,7 @@ def test_drops_and_accumulation_do_not_depend_on_the_layout():
     """Routing groups are sequences: with tokens dropped (capacity factor 1) and 2 accumulation
     steps, expert=4 x data=2 still equals one device without accumulation."""
     spec = _with(SPEC, capacity_factor=1.0)
-    one, split = _run(make_layout(1), spec, steps=1)[0], _run(make_layout(data=2, expert=4), spec, accum=2, steps=1)[0]
+    one, split = _run(ONE, spec, steps=1)[0], _run(dict(data=2, expert=4), spec, accum=2, steps=1)[0]
     assert one[0]["moe_dropped"] > 0.01
     for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_dropped"):
         np.testing.assert_allclose(split[0][key], one[0][key], rtol=1e-5, err_msg=key)
@@ -261,7 +255,7 @@ def test_moe_in_pipeline_stages_under_1f1b_equals_one_device(reference):
     with 4 microbatches: loss, grad norm (the router losses' gradients included, differentiated
     in the stage that routes) and router statistics (the loads summed over microbatches before
     the busiest expert is taken) of 2 steps within 1e-5 of one device."""
-    got = _run(make_layout(pipeline=2, data=2, expert=2), schedule="1f1b", microbatches=4)[0]
+    got = _run(dict(pipeline=2, data=2, expert=2), schedule="1f1b", microbatches=4)[0]
     for g, r in zip(got, reference):
         for key in KEYS:
             np.testing.assert_allclose(g[key], r[key], rtol=1e-5, err_msg=key)
@@ -272,9 +266,9 @@ def test_dropless_balanced_moe_in_interleaved_and_zero_bubble_stages_equals_one_
     1F1B: each stage's loads reach their layers' biases in layer order) and zero-bubble (the
     backward split in B and W: statistics counted once) equal one device, biases included."""
     spec = _with(SPEC, capacity_factor=0.0, every_n_layers=1, bias_rate=0.01, aux_loss_weight=0.0)
-    one, one_state = _run(make_layout(1), spec)
+    one, one_state = _run(ONE, spec)
     for schedule, virtual in (("interleaved_1f1b", 2), ("zero_bubble", 1)):
-        got, state = _run(make_layout(pipeline=2, data=2, expert=2), spec, schedule=schedule, microbatches=4,
+        got, state = _run(dict(pipeline=2, data=2, expert=2), spec, schedule=schedule, microbatches=4,
                           virtual_stages=virtual)
         for g, r in zip(got, one):
             for key in KEYS:
@@ -286,18 +280,16 @@ def test_dropless_balanced_moe_in_interleaved_and_zero_bubble_stages_equals_one_
 # --- layout: PartitionSpecs, planner, decoding -----------------------------------------------
 
 def test_expert_weights_split_over_expert_and_tensor():
-    model = LanguageModel(SPEC)
-    tx, _ = make_optimizer(config_lib.defaults().optim, 10)
-    layout = make_layout(expert=2, fsdp=2, tensor=2)
-    shardings = state_lib.shardings(model, tx, layout)
+    run = build_for(SPEC, expert=2, fsdp=2, tensor=2)
+    layout, shardings = run.layout, run.shardings
     mlp, mu = shardings.params["layers"]["moe"]["mlp"], shardings.opt_state[1][0].mu["layers"]["moe"]["mlp"]
     assert mlp["w_gate"].spec == P(None, "expert", "fsdp", "tensor") == mu["w_gate"].spec
     assert mlp["w_down"].spec == P(None, "expert", "tensor", "fsdp")
     assert mlp["router"].spec == P(None, "fsdp")  # every expert group routes its own tokens
     assert shardings.params["layers"]["dense"]["mlp"]["w_up"].spec == P(None, "fsdp", "tensor")
     assert layout.batch_sharding().spec == P(("fsdp", "expert"))  # expert is a batch axis elsewhere
-    gpt2 = LanguageModel(ModelSpec(**{**SPEC.__dict__, "family": "gpt2", "max_seq_len": 64}))
-    specs = state_lib.shardings(gpt2, tx, make_layout(data=2, expert=4)).params["layers"]["moe"]["mlp"]
+    gpt2 = ModelSpec(**{**SPEC.__dict__, "family": "gpt2", "max_seq_len": 64})
+    specs = build_for(gpt2, data=2, expert=4).shardings.params["layers"]["moe"]["mlp"]
     assert specs["bias_in"].spec == P(None, "expert") and specs["w_out"].spec == P(None, "expert")
 
 
@@ -348,11 +340,11 @@ def test_decode_equals_the_full_forward(family, every):
 
 def test_active_parameters_for_mfu():
     model = LanguageModel(SPEC)
-    n = metrics_lib.matmul_params(model.shapes, SPEC)
+    n = mfu.matmul_params(model.shapes, SPEC)
     experts = 2 * 3 * 8 * 64 * 64  # 2 MoE layers x (gate, up, down) x 8 experts x d_model x expert d_ff
-    assert metrics_lib.active_params(model.shapes, SPEC) == n - experts + experts * 2 // 8
+    assert mfu.active_params(model.shapes, SPEC) == n - experts + experts * 2 // 8
     shared = _with(SPEC, num_shared=2)  # every token uses the shared experts: all of them count
-    got = metrics_lib.active_params(LanguageModel(shared).shapes, shared)
+    got = mfu.active_params(LanguageModel(shared).shapes, shared)
     assert got == n - experts + experts * 2 // 8 + 2 * 3 * 64 * 128
 
 

@@ -20,9 +20,9 @@ from conftest import ROOT, cli_env
 from jaxscale import cli
 from jaxscale import config as config_lib
 from jaxscale.errors import ConfigError
-from jaxscale.health import Watchdog
 from jaxscale.launch import _free_port, child_env
-from jaxscale.loop import train
+from jaxscale.runtime.health import Watchdog
+from jaxscale.runtime.loop import train
 from jaxscale.validate import validate
 
 OVERRIDES = ["model.num_layers=2", "model.d_model=64", "model.num_heads=4", "model.num_kv_heads=2",

@@ -7,9 +7,9 @@ import pytest
 
 from jaxscale import Trainer
 from jaxscale.errors import ConfigError
-from jaxscale.loop import train
 from jaxscale.offload import OffloadSpec, check_supported
 from jaxscale.plan import make_plan
+from jaxscale.runtime.loop import train
 
 
 def _numbers(records):

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from conftest import ROOT
-from jaxscale import cpu_malloc, xla_flags
 from jaxscale.config import defaults
-from jaxscale.loop import train
+from jaxscale.runtime import cpu_malloc, xla_flags
+from jaxscale.runtime.loop import train
 
 WAIT_S, STEP_S, SAVE_S = 0.02, 0.02, 0.05  # sleeps added before each batch, step call and save
 
@@ -21,7 +21,7 @@ def _slowed(monkeypatch) -> None:
     """Every batch comes WAIT_S late, every call of the step and every checkpoint save take STEP_S
     and SAVE_S longer: lower bounds on each part of the step time that hold on any machine."""
     from jaxscale.data.loader import Data
-    from jaxscale.session import Session
+    from jaxscale.runtime.session import Session
 
     batches, compiled, save = Data.train_batches, Session.compiled, Session.save
 
@@ -42,7 +42,7 @@ def _slowed(monkeypatch) -> None:
 def _timed_stretches(monkeypatch) -> list[float]:
     """The wall time of each stretch of steps, by a clock outside the loop's (the stretch holds
     every logged window, and each window is measured once)."""
-    from jaxscale import loop
+    from jaxscale.runtime import loop
 
     stretch, seconds = loop._stretch, []
 

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import ROOT, main_cli, run_cli
 from jaxscale import config as config_lib
-from jaxscale import metrics
+from jaxscale.analysis import mfu
 from jaxscale.models import model_from_config
 from jaxscale.plan import advice, compile_plan, describe, make_plan
 from sends import Sizes, assert_sends, param_groups, state_bytes, vocabulary_arrays
@@ -143,7 +143,7 @@ def test_compiled_matmul_flops_match_the_formula(plans, name):
     # scores in the backward (measured 1.021 of the formula on tiny.py, 1 + 0.021 recomputed), and
     # a head split along d_model (fsdp) runs in chunks whose logits the backward recomputes.
     config = _layout_config(name)
-    recompute = metrics.attention_recompute_flops_per_token(model_from_config(config, "cpu")[0].spec,
+    recompute = mfu.attention_recompute_flops_per_token(model_from_config(config, "cpu")[0].spec,
                                                             config.train.seq_len)
     if config.mesh.fsdp > 1:
         recompute += 2 * config.model.d_model * config.model.vocab_size

@@ -1,4 +1,4 @@
-"""Whole programs kept between starts (jaxscale.program_cache): a kept program is loaded without
+"""Whole programs kept between starts (jaxscale.runtime.program_cache): a kept program is loaded without
 tracing and computes what the compiled one did; anything a program is built from changes its
 key; an unreadable entry is compiled again; the newest KEEP are kept; it is off unless turned on."""
 
@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from conftest import small_config
-from jaxscale import program_cache
+from jaxscale.runtime import program_cache
 
 DEVICES = jax.devices()[:1]
 

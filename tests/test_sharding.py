@@ -4,11 +4,9 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import make_layout
-from jaxscale import state as state_lib
+from conftest import build_for, make_layout
 from jaxscale.config import defaults
 from jaxscale.models import LanguageModel, ModelSpec
-from jaxscale.optim import make_optimizer
 from jaxscale.sharding import add_axis, rules_from_config, tree_specs
 
 
@@ -55,7 +53,7 @@ LAYOUTS = {
     "data2_tensor4": dict(data=2, tensor=4),
     "zero1_data8": dict(data=8, zero_stage=1),
     "zero3_data8": dict(data=8, zero_stage=3),
-    "pipeline2_fsdp4": dict(pipeline=2, fsdp=4),
+    "pipeline2_fsdp4": dict(pipeline=2, fsdp=4, microbatches=2),
 }
 # Expected specs of a few parameters (and their Adam moments) under each layout.
 EXPECTED = {
@@ -76,16 +74,15 @@ EXPECTED = {
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_state_partition_specs(name):
-    layout = make_layout(**LAYOUTS[name])
-    tx, _ = make_optimizer(defaults().optim, 10)
-    shardings = state_lib.shardings(LanguageModel(MODEL), tx, layout)
+    run = build_for(MODEL, **LAYOUTS[name])
+    shardings = run.shardings
     params, adam = shardings.params, shardings.opt_state[1][0]
     got = {"wq": params["layers"]["attn"]["wq"].spec, "w_down": params["layers"]["mlp"]["w_down"].spec,
            "embed": params["embed"].spec, "mu_wq": adam.mu["layers"]["attn"]["wq"].spec}
     assert got == EXPECTED[name]
     for moment in (adam.mu, adam.nu):
-        jax.tree.map(lambda m, p, shape: assert_zero_split(m, p, shape.shape, layout.zero_stage),
-                     moment, params, LanguageModel(MODEL).shapes)
+        jax.tree.map(lambda m, p, shape: assert_zero_split(m, p, shape.shape, run.layout.zero_stage),
+                     moment, params, run.model.shapes)
     assert shardings.step.spec == P() and shardings.rng.spec == P()
 
 
@@ -112,9 +109,7 @@ def _without(spec, axis):
 
 
 def test_state_is_created_sharded():
-    layout = make_layout(fsdp=8)
-    tx, _ = make_optimizer(defaults().optim, 10)
-    state, _ = state_lib.init(LanguageModel(MODEL), tx, 0, layout)
+    state = build_for(MODEL, fsdp=8).init_state()
     wq = state.params["layers"]["attn"]["wq"]
     assert wq.sharding.spec == P(None, "fsdp") and wq.addressable_shards[0].data.shape == (2, 8, 4, 16)
 

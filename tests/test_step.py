@@ -1,6 +1,5 @@
 """The jitted train step: device-count independence, accumulation, one reduction per step."""
 
-import dataclasses
 import re
 
 import jax
@@ -9,14 +8,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import initial_state, make_layout
-from jaxscale import state as state_lib
+from conftest import build_for, initial_state
 from jaxscale.config import defaults
-from jaxscale.models import LanguageModel, ModelSpec, Strategy
-from jaxscale.optim import make_optimizer
-from jaxscale.parallel.fsdp import Weights
-from jaxscale.sharding import Layout, rules_from_config
-from jaxscale.step import StepSpec, compute_dtype, jit_train_step
+from jaxscale.models import ModelSpec
+from jaxscale.step import compute_dtype
 
 SPEC = ModelSpec(num_layers=2, d_model=64, num_heads=8, num_kv_heads=4, d_ff=128)
 
@@ -26,35 +21,22 @@ def _batch(rows=32, length=32, seed=0):
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
 
 
-def _layout(devices=None, zero_stage=0, sequence_parallel=False, spec=SPEC, **sizes):
-    config = defaults()
-    config.sharding.sequence_parallel = sequence_parallel
-    config.model.num_kv_heads, config.model.vocab_size = spec.num_kv_heads, spec.vocab_size
-    mesh = make_layout(devices, **sizes).mesh
-    rules, _ = rules_from_config(config, dict(mesh.shape))
-    return Layout.of(mesh, rules, zero_stage)
+def _layout(devices=None, **settings):
+    """A run's mesh sizes and sharding settings (devices, zero_stage, sequence_parallel, axes: see
+    conftest.build_for)."""
+    return dict(devices=devices, **settings)
 
 
-def _model(spec, layout, dtype=jnp.float32, **strategy):
-    """The model of `spec` with the parallel strategy of `layout` (see Strategy.for_layout),
-    computing in `dtype` on CPU."""
-    return LanguageModel(dataclasses.replace(spec, strategy=Strategy.for_layout(layout, **strategy),
-                                             weights=Weights.of(dtype, compiler="cpu")))
-
-
-def _run(layout, accum, optim_cfg, steps=2, rows=32, vary=True, dtype=jnp.float32, spec=SPEC, strategy=None):
+def _run(layout, accum, optim_cfg, steps=2, rows=32, vary=True, dtype="float32", spec=SPEC, strategy=None):
     """(metrics per step, final params, step fn, state, last batch) of `steps` updates."""
-    model = _model(spec, layout, dtype, **(strategy or {}))
-    tx, schedule = make_optimizer(optim_cfg, 10)
-    state, shardings = initial_state(model, tx, layout, (spec, optim_cfg.to_json()))
-    shd = layout.batch_sharding()
-    step = jit_train_step(StepSpec(model, tx, schedule, layout, shardings, accum))
+    run = build_for(spec, optim=optim_cfg, accum=accum, rows=rows, dtype=dtype, **layout, **(strategy or {}))
+    state = initial_state(run, (spec, optim_cfg.to_json()))
     history = []
     for i in range(steps):
-        batch = jax.device_put(_batch(rows, seed=i if vary else 0), shd)
-        state, metrics = step(state, batch)
+        batch = jax.device_put(_batch(rows, seed=i if vary else 0), run.batch_sharding)
+        state, metrics = run.train_step(state, batch)
         history.append(jax.device_get(metrics))
-    return history, jax.device_get(state.params), step, state, batch
+    return history, jax.device_get(state.params), run.train_step, state, batch
 
 
 @pytest.fixture(scope="module")
@@ -108,13 +90,13 @@ ODD_VOCAB = {f"{head}_{name}": (ModelSpec(**{**SPEC.__dict__, "vocab_size": 257,
 @pytest.fixture(scope="module")
 def odd_references(optim_cfg):
     specs = {name.split("_")[0]: spec for name, (spec, _) in ODD_VOCAB.items()}
-    return {head: _run(_layout(1, spec=spec), 1, optim_cfg, steps=2, spec=spec) for head, spec in specs.items()}
+    return {head: _run(_layout(1), 1, optim_cfg, steps=2, spec=spec) for head, spec in specs.items()}
 
 
 @pytest.mark.parametrize("name", ODD_VOCAB)
 def test_a_vocabulary_that_divides_nothing_equals_one_device(optim_cfg, odd_references, name):
     spec, sizes = ODD_VOCAB[name]
-    _assert_same(_run(_layout(spec=spec, **sizes), 1, optim_cfg, steps=2, spec=spec),
+    _assert_same(_run(_layout(**sizes), 1, optim_cfg, steps=2, spec=spec),
                  odd_references[name.split("_")[0]], rtol=1e-5)
 
 
@@ -124,7 +106,7 @@ GPIPE = dict(microbatches=4)
 
 @pytest.fixture(scope="module")
 def deep_reference(optim_cfg):
-    return _run(_layout(1, spec=DEEP), 1, optim_cfg, steps=3, spec=DEEP)
+    return _run(_layout(1), 1, optim_cfg, steps=3, spec=DEEP)
 
 
 # (schedule, virtual stages, mesh): every schedule on 2 and 4 stages, and beside data and tensor;
@@ -150,7 +132,7 @@ def test_every_schedule_equals_one_device(deep_reference, optim_cfg, name):
     schedule's executor (forward and backward by its table) computes the same gradients."""
     schedule, virtual, sizes = SCHEDULES[name]
     strategy = dict(schedule=schedule, microbatches=4, virtual_stages=virtual)
-    _assert_same(_run(_layout(spec=DEEP, **sizes), 1, optim_cfg, steps=3, spec=DEEP, strategy=strategy),
+    _assert_same(_run(_layout(**sizes), 1, optim_cfg, steps=3, spec=DEEP, strategy=strategy),
                  deep_reference, rtol=1e-5)
 
 
@@ -159,7 +141,7 @@ DEEPER = ModelSpec(**{**SPEC.__dict__, "num_layers": 8})
 
 @pytest.fixture(scope="module")
 def deeper_reference(optim_cfg):
-    return _run(_layout(1, spec=DEEPER), 1, optim_cfg, steps=3, spec=DEEPER)
+    return _run(_layout(1), 1, optim_cfg, steps=3, spec=DEEPER)
 
 
 @pytest.mark.parametrize("schedule", ["circular", "interleaved_1f1b"])
@@ -167,7 +149,7 @@ def test_interleaved_schedules_on_four_stages_equal_one_device(deeper_reference,
     """V=2 chunks on each of 4 stages (8 layers): the interleaved tables on P=4."""
     reference = deeper_reference
     strategy = dict(schedule=schedule, microbatches=4, virtual_stages=2)
-    _assert_same(_run(_layout(spec=DEEPER, pipeline=4), 1, optim_cfg, steps=3, spec=DEEPER, strategy=strategy),
+    _assert_same(_run(_layout(pipeline=4), 1, optim_cfg, steps=3, spec=DEEPER, strategy=strategy),
                  reference, rtol=1e-5)
 
 
@@ -177,15 +159,15 @@ def test_a_schedule_from_a_file_equals_one_device(deep_reference, optim_cfg, tmp
     path.write_text("stage 0: F0 F1 B0 F2 B1 F3 B2 B3 W0 W1 W2 W3\n"
                     "stage 1: F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3\n")
     strategy = dict(schedule="file", microbatches=4, schedule_file=str(path))
-    _assert_same(_run(_layout(spec=DEEP, pipeline=2), 1, optim_cfg, steps=3, spec=DEEP, strategy=strategy),
+    _assert_same(_run(_layout(pipeline=2), 1, optim_cfg, steps=3, spec=DEEP, strategy=strategy),
                  deep_reference, rtol=1e-5)
 
 
 def test_bfloat16_pipeline_compiles_on_cpu_and_matches(optim_cfg):
     """bf16 compute through GPipe: XLA:CPU's all-reduce promotion pass used to abort the process
     on this program; it now runs and gives the unpipelined bf16 loss and grad norm."""
-    one = _run(_layout(1, spec=DEEP), 1, optim_cfg, steps=1, dtype=jnp.bfloat16, spec=DEEP)
-    piped = _run(_layout(data=2, pipeline=2, spec=DEEP), 1, optim_cfg, steps=1, dtype=jnp.bfloat16, spec=DEEP,
+    one = _run(_layout(1), 1, optim_cfg, steps=1, dtype="bfloat16", spec=DEEP)
+    piped = _run(_layout(data=2, pipeline=2), 1, optim_cfg, steps=1, dtype="bfloat16", spec=DEEP,
                  strategy=GPIPE)
     _assert_same(piped, one, rtol=1e-2, params=False)
 
@@ -193,7 +175,7 @@ def test_bfloat16_pipeline_compiles_on_cpu_and_matches(optim_cfg):
 
 
 def test_gpipe_with_accumulation(deep_reference, optim_cfg):
-    _assert_same(_run(_layout(data=2, pipeline=2, spec=DEEP), 2, optim_cfg, steps=3, spec=DEEP, strategy=GPIPE),
+    _assert_same(_run(_layout(data=2, pipeline=2), 2, optim_cfg, steps=3, spec=DEEP, strategy=GPIPE),
                  deep_reference, rtol=1e-5)
 
 
@@ -205,11 +187,11 @@ def test_context_parallel_modes_with_accumulation(reference, optim_cfg, mode):
 
 def test_kv_heads_fewer_than_tensor_are_replicated(optim_cfg):
     spec = ModelSpec(num_layers=2, d_model=64, num_heads=8, num_kv_heads=2, d_ff=128)
-    one = _run(_layout(1, spec=spec), 1, optim_cfg, spec=spec)
-    layout = _layout(tensor=4, spec=spec)
+    one = _run(_layout(1), 1, optim_cfg, spec=spec)
+    layout = build_for(spec, tensor=4).layout
     assert (layout.spec(("embed", "kv_heads", "head_dim")) == P()
             and layout.spec(("embed", "heads")) == P(None, "tensor"))
-    _assert_same(_run(layout, 1, optim_cfg, spec=spec), one, rtol=1e-5)
+    _assert_same(_run(_layout(tensor=4), 1, optim_cfg, spec=spec), one, rtol=1e-5)
 
 
 @pytest.mark.parametrize("devices, zero_stage", [(1, 0), (2, 0), (8, 0), (8, 2), (8, 3)])
@@ -238,7 +220,7 @@ def test_loss_falls_and_lr_warms_up(optim_cfg):
 
 
 def test_bfloat16_compute_keeps_float32_master_weights(reference, optim_cfg):
-    history, params, *_ = _run(_layout(data=8), 1, optim_cfg, dtype=jnp.bfloat16)
+    history, params, *_ = _run(_layout(data=8), 1, optim_cfg, dtype="bfloat16")
     assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(params))
     np.testing.assert_allclose(history[0]["loss"], reference[0][0]["loss"], rtol=1e-2)
     assert history[0]["loss"].dtype == np.float32
@@ -254,15 +236,10 @@ def test_remat_policies_trade_compiled_memory(optim_cfg):
     """Temp bytes from compiled.memory_analysis(): none > dots_saveable > full (measured 124.0,
     82.0 and 53.7 MB); dots_saveable keeps the attention kernel's output and residuals, so its
     backward pass runs no attention forward again (full's does, in every layer's recompute)."""
-    layout = _layout(1)
-    tokens = jax.ShapeDtypeStruct((8, 256), jnp.int32, sharding=layout.batch_sharding())
     temp, rerun = {}, {}
     for remat in ("none", "dots_saveable", "full"):
-        model = LanguageModel(ModelSpec(num_layers=4, d_model=64, num_heads=4, num_kv_heads=4, d_ff=256, remat=remat))
-        tx, schedule = make_optimizer(optim_cfg, 10)
-        state, shardings = state_lib.abstract(model, tx, layout)
-        step = jit_train_step(StepSpec(model, tx, schedule, layout, shardings))
-        compiled = step.lower(state, {"inputs": tokens, "targets": tokens}).compile()
+        spec = ModelSpec(num_layers=4, d_model=64, num_heads=4, num_kv_heads=4, d_ff=256, remat=remat)
+        compiled, _ = build_for(spec, optim=optim_cfg, rows=8, seq_len=256, devices=1).compile()
         temp[remat] = compiled.memory_analysis().temp_size_in_bytes
         rerun[remat] = len(re.findall(r'op_name="[^"]*rematted_computation[^"]*flash_attention', compiled.as_text()))
     assert temp["none"] > 1.3 * temp["dots_saveable"] and temp["dots_saveable"] > 1.3 * temp["full"], temp

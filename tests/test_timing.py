@@ -14,8 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxscale import session as session_lib
-from jaxscale.loop import train
+from jaxscale.runtime import session as session_lib
+from jaxscale.runtime.loop import train
 
 SECONDS = 0.3  # the simulated device's time per step; sleeping, so a loaded machine does not change it
 

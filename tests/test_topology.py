@@ -6,9 +6,10 @@ import json
 import pytest
 
 from conftest import ROOT, cli_env
-from jaxscale import cli, profile, topology
+from jaxscale import cli
 from jaxscale import config as config_lib
 from jaxscale import plan as plan_lib
+from jaxscale.analysis import hlo_stats, topology
 from jaxscale.errors import ConfigError
 from sends import Sizes, assert_sends, param_groups, sent_by_axis, state_bytes, vocabulary_arrays
 
@@ -177,7 +178,7 @@ def test_cli_says_whether_it_fits(capsys):
     assert small == 0 and "does not fit" in capsys.readouterr().err
 
 
-HOLD_A_CLIENT = ("import sys; from jaxscale import topology; topology.compile_only_devices('v5e-8'); "
+HOLD_A_CLIENT = ("import sys; from jaxscale.analysis import topology; topology.compile_only_devices('v5e-8'); "
                  "print('ready', flush=True); sys.stdin.readline()")
 
 
@@ -221,7 +222,7 @@ def test_on_tpu_attention_is_the_splash_kernel_on_each_chips_rows_and_heads():
     hlo = compiled["auto"].as_text()
     assert all(f"%splash_mha_{kernel}" in hlo for kernel in ("fwd_segmented_residuals", "dq_segmented_no_residuals",
                                                           "dkv_segmented_no_residuals"))
-    splash_totals, xla_totals = (profile.step_totals(compiled[i].as_text()) for i in ("auto", "xla"))
+    splash_totals, xla_totals = (hlo_stats.step_totals(compiled[i].as_text()) for i in ("auto", "xla"))
     assert splash_totals.unknown_loops == 0 and splash_totals.collectives == xla_totals.collectives
 
 

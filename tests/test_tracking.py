@@ -10,7 +10,7 @@ import pytest
 from conftest import main_cli, run_cli
 from jaxscale import report, tracking
 from jaxscale.errors import ConfigError
-from jaxscale.loop import train
+from jaxscale.runtime.loop import train
 
 mlflow = pytest.importorskip("mlflow")
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import FAST_RUN, main_cli, run_cli
-from jaxscale.loop import train
+from jaxscale.runtime.loop import train
 
 FIELDS = ("step", "loss", "tokens_per_sec", "step_time_s", "mfu", "grad_norm", "lr", "tokens")
 

@@ -9,7 +9,7 @@ import pytest
 
 from jaxscale import Trainer
 from jaxscale.errors import ConfigError
-from jaxscale.loop import train
+from jaxscale.runtime.loop import train
 
 
 def test_a_trainer_continues_where_it_stopped_on_the_clis_code_path(tiny_config, tmp_path):

@@ -36,7 +36,7 @@ import numpy as np
 from jaxscale.checkpoint import blocks
 from jaxscale.checkpoint.manager import Restored
 from jaxscale.errors import RunError
-from jaxscale.exchange import allgather_json
+from jaxscale.runtime.exchange import allgather_json
 
 TOKEN_FILE = "local_checkpoints.json"  # in the workdir: which local copies belong to it
 KEEP = 2                               # newest steps kept by each process

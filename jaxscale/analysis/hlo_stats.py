@@ -29,7 +29,7 @@ Counting rules (the contract every function here follows):
   all-to-all moves what the routing decides at run time, at most the smaller of its operand
   and its result (what a device holds to send, what it has room to receive): that bound is
   its bytes.
-* `step_totals` also keeps each collective's device groups (`jaxscale.device_groups` reads
+* `step_totals` also keeps each collective's device groups (`jaxscale.analysis.device_groups` reads
   which mesh axes they span); a fused reduce-scatter takes its inner all-reduce's groups.
 * `dot_flops` counts 2 x (result elements) x (contracted elements) per ``dot``,
   under the same rules: a layer loop's matmuls count once per layer, and
@@ -43,7 +43,7 @@ import math
 import re
 from collections.abc import Iterator, Mapping
 
-from jaxscale import device_groups
+from jaxscale.analysis import device_groups
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all", "ragged-all-to-all")
 
@@ -122,7 +122,7 @@ class StepTotals:
 
     def by_axis(self, mesh_shape: Mapping[str, int]) -> dict[str, dict[str, dict[str, float]]]:
         """{kind: {mesh axes: {"count", "bytes", "sent_bytes"}}}: the collectives by the mesh axes
-        they run over ("data", "data+fsdp", ...; see `jaxscale.device_groups`), with the bytes each
+        they run over ("data", "data+fsdp", ...; see `jaxscale.analysis.device_groups`), with the bytes each
         device sends for them."""
         table = {}
         for (kind, spec), (count, nbytes) in sorted(self.by_groups.items()):

@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.errors import PreflightError
-from jaxscale.exchange import allgather_json
+from jaxscale.runtime.exchange import allgather_json
 
 INJECT = "JAXSCALE_PREFLIGHT_INJECT"
 PROBE_BYTES = 4 * 2**20  # the all-reduce timed on each mesh axis

@@ -9,7 +9,7 @@ devices without owning them, so the real train step compiles for a pod on a lapt
 memory and collectives come from the TPU compiler. Names follow Cloud TPU: `v4-N` and `v5p-N`
 count TensorCores (2 per chip), `v5e-N` and `v6e-N` chips; `KxNAME` is K slices joined over the
 data-center network (mesh_dcn). GPUs (`h100-N`, `h200-N`: N GPUs, 8 a host) come from JAX's
-CUDA plugin compiling against a described target (`jaxscale.gpu_targets`; `pip install
+CUDA plugin compiling against a described target (`jaxscale.analysis.gpu_targets`; `pip install
 'jaxscale[gpu-plan]'`), which needs no GPU either.
 """
 
@@ -19,8 +19,8 @@ import dataclasses
 import os
 import re
 
+from jaxscale.analysis.gpu_targets import GPUS, GPUS_PER_HOST
 from jaxscale.errors import ConfigError
-from jaxscale.gpu_targets import GPUS, GPUS_PER_HOST
 
 GIB = 2**30
 # generation -> (libtpu's name, TensorCores counted per chip in the slice name, HBM GiB per chip, 3D torus)

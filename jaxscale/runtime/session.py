@@ -16,22 +16,23 @@ from pathlib import Path
 
 import jax
 
-from jaxscale import compile_cache, cpu_malloc, inspection, preflight, program_cache, resume, xla_flags
 from jaxscale import config as config_lib
 from jaxscale import report as report_lib
+from jaxscale.analysis import inspection
 from jaxscale.build import Run, build
 from jaxscale.checkpoint import CHECKPOINTS, Checkpointer, LocalCheckpointer
 from jaxscale.data import Data, make_data
-from jaxscale.distributed import job_description
 from jaxscale.errors import ConfigError
-from jaxscale.health import StragglerReport, Watchdog
-from jaxscale.preemption import PreemptionWatch
-from jaxscale.progress import ProgressDisplay
-from jaxscale.runstate import RunState
-from jaxscale.tracing import TraceWindow
+from jaxscale.runtime import cpu_malloc, jax_cache, preflight, program_cache, resume, xla_flags
+from jaxscale.runtime.distributed import job_description
+from jaxscale.runtime.health import StragglerReport, Watchdog
+from jaxscale.runtime.preemption import PreemptionWatch
+from jaxscale.runtime.profiler import TraceWindow
+from jaxscale.runtime.progress import ProgressDisplay
+from jaxscale.runtime.runstate import RunState
+from jaxscale.runtime.workdir import WorkdirLock
 from jaxscale.tracking import Tracker
 from jaxscale.version import __version__
-from jaxscale.workdir import WorkdirLock
 
 VERSIONS = {"jaxscale": __version__, "jax": jax.__version__, "orbax": version("orbax-checkpoint")}
 
@@ -67,12 +68,12 @@ class Session:
     def compiled(self):
         """The train step compiled ahead of time (once per session), so step times never include it."""
         if self._compiled is None:
-            lowered_hits, whole_hits = compile_cache.hits(), program_cache.hits()
+            lowered_hits, whole_hits = jax_cache.hits(), program_cache.hits()
             self._compiled, self.compile_s = self.run.compile()
             how = "compiled the train step"
             if program_cache.hits() > whole_hits:
                 how = "loaded the whole train step from the cache"
-            elif compile_cache.hits() > lowered_hits:
+            elif jax_cache.hits() > lowered_hits:
                 how = "loaded the compiled train step from the cache"
             self.services.display.print(f"{how} in {self.compile_s:.1f}s")
             if note := cpu_malloc.fit_scratch(self._compiled):
@@ -122,7 +123,7 @@ def open_session(config, workdir: str | Path, show_progress: bool = True, device
     the run and its state (restored from where the workdir or the config says, else fresh), the
     metric writers and the console. Closing it waits for the last checkpoint to commit."""
     workdir, devices, opened = Path(workdir), list(devices or jax.devices()), time.perf_counter()
-    cache_note = compile_cache.enable(config.xla)
+    cache_note = jax_cache.enable(config.xla)
     run = _build(config, devices)  # validated, and the data found, before the workdir is touched
     if config.distributed.preflight and jax.process_count() > 1:
         preflight.check(run.layout.mesh, workdir / CHECKPOINTS, _print_once)

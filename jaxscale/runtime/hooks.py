@@ -20,8 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxscale import metrics as metrics_lib
-from jaxscale.session import Session
+from jaxscale.analysis import mfu
+from jaxscale.runtime.session import Session
 
 
 class Outcome(enum.Enum):
@@ -211,7 +211,7 @@ def _record(session: Session, step: int, m: dict, timing: dict) -> dict:
     tokens_per_sec = float(m["tokens"]) / timing["step_time_s"]
     return {"step": step, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
             "tokens": session.live.data_step * int(m["tokens"]), "tokens_per_sec": tokens_per_sec, **timing,
-            "mfu": metrics_lib.mfu(tokens_per_sec, run.flops_per_token, run.layout.mesh.size, run.peak_tflops),
+            "mfu": mfu.mfu(tokens_per_sec, run.flops_per_token, run.layout.mesh.size, run.peak_tflops),
             "nonfinite_skips": int(m["nonfinite_skips"]), "spike_skips": int(m["spike_skips"]),
             **{name: np.asarray(m[name]).tolist() for name in run.model.stat_shapes if name in m},
             **session.data.stats(session.live.data_step)}

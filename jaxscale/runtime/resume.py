@@ -14,7 +14,7 @@ import jax
 
 from jaxscale.checkpoint import Checkpointer, LocalCheckpointer, Restored, compat, locate
 from jaxscale.errors import ConfigError, RunError
-from jaxscale.runstate import RunState
+from jaxscale.runtime.runstate import RunState
 
 
 @dataclasses.dataclass

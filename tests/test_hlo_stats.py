@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.profile import (
+from jaxscale.analysis.hlo_stats import (
     COLLECTIVES,
     collective_stats,
     collective_stats_detail,

@@ -1,5 +1,5 @@
 """The persistent compilation cache: on by default, a second identical start loads the train step
-and the state's initialisation whole (jaxscale.program_cache: no tracing either) and trains to
+and the state's initialisation whole (jaxscale.runtime.program_cache: no tracing either) and trains to
 the same losses; without them (after an edit of jaxscale) it loads them from JAX's cache after
 lowering, and keeps none of those; one setting turns both off."""
 

@@ -1,7 +1,7 @@
 """Whole compiled programs kept between starts of `python -m jaxscale.train`: a second identical
 start loads its train step and its state initialisation without tracing, lowering or compiling.
 
-JAX's persistent cache (jaxscale.compile_cache) keys a program on its lowered HLO, so every start
+JAX's persistent cache (jaxscale.runtime.jax_cache) keys a program on its lowered HLO, so every start
 still traces the model and lowers it before it can look; on a laptop that is most of what a
 second start of a small model spends. This cache keys a program on what it is built from
 instead, and misses (then compiles as usual, through JAX's cache) when any of it differs:
@@ -34,8 +34,8 @@ import jaxlib
 import optax
 from jax.experimental import serialize_executable
 
-from jaxscale import compile_cache
 from jaxscale import config as config_lib
+from jaxscale.runtime import jax_cache
 
 ENV = "JAXSCALE_PROGRAM_CACHE"
 KEEP = 32
@@ -77,9 +77,9 @@ def load_or_compile(cache_key: str | None, lower: Callable[[], jax.stages.Lowere
         if loaded is not None:
             counts["hits"] += 1
             return loaded, True
-    before = compile_cache.hits()
+    before = jax_cache.hits()
     compiled = lower().compile()
-    if path is not None and compile_cache.hits() == before:  # compiled here, not loaded by JAX's cache
+    if path is not None and jax_cache.hits() == before:  # compiled here, not loaded by JAX's cache
         _store(path, compiled)
     return compiled, False
 

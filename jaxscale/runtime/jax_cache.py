@@ -7,7 +7,7 @@ $XDG_CACHE_HOME/jaxscale/xla (~/.cache/jaxscale/xla). `xla.compile_cache=False` 
 `off`) turns caching off for the process. Every program is cached, however quickly it compiled:
 on a laptop the small ones add up. JAX keys each entry on the program, the devices, the flags and
 the jax version, so a changed model or mesh compiles afresh. `python -m jaxscale.train` also keeps
-its train step and initialisation whole in `programs/` there (jaxscale.program_cache).
+its train step and initialisation whole in `programs/` there (jaxscale.runtime.program_cache).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The training loop: stretches of steps, each step running the hooks of jaxscale.hooks in order.
+"""The training loop: stretches of steps, each step running the hooks of jaxscale.runtime.hooks in order.
 
     with open_session(config, workdir) as session:
         records = run_steps(session)          # or train(config, workdir)
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jaxscale import hooks
-from jaxscale.hooks import Clock, Outcome, Stretch, UserHook
-from jaxscale.session import Session, open_session
+from jaxscale.runtime import hooks
+from jaxscale.runtime.hooks import Clock, Outcome, Stretch, UserHook
+from jaxscale.runtime.session import Session, open_session
 
 
 def run_steps(session: Session, until: int | None = None, user_hooks: tuple[UserHook, ...] = ()) -> list[dict]:
