@@ -14,6 +14,7 @@ described target, on any host), and checks the result against the devices' memor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -24,15 +25,15 @@ import jax.numpy as jnp
 from jaxscale import cli
 from jaxscale import state as state_lib
 from jaxscale.analysis import hlo_stats, topology
+from jaxscale.analysis.state_bytes import expected_bytes, param_counts
 from jaxscale.build import build
 from jaxscale.errors import ConfigError
-from jaxscale.models.moe import expert_param_count
 from jaxscale.offload import HOST
-from jaxscale.sharding import Layout
 
 USAGE = ("usage: python -m jaxscale.plan --config=PATH [--config.section.key=value ...] [--json] [--hlo=FILE] "
          "[--device_memory_gb=GB] [--platform=cpu|gpu|tpu "
-         "| --topology=v5p-256|v5e-256|v6e-256|v4-128|2xv5e-256|h100-8|h200-16]")
+         "| --topology=v5p-256|v5e-256|v6e-256|v4-128|2xv5e-256|h100-8|h200-16] "
+         "[--search [--tokens=1e12] [--top=10] [--compile=8] [--budget_s=1200] [--workers=N] [--write=FILE]]")
 GIB = 2**30
 
 
@@ -43,37 +44,6 @@ def shard_bytes(tree, memory_kind: str | None = None) -> int:
         return math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
     return sum(one(x) for x in jax.tree.leaves(tree)
                if memory_kind is None or x.sharding.memory_kind == memory_kind)
-
-
-def param_counts(model) -> dict[str, int]:
-    """The model's parameters by how the rules split them: `layers` (the stacked layers' weights:
-    pipeline, fsdp, tensor; `experts` of them over expert too), `layer_vectors` (the layers'
-    vectors along d_model, norm scales and biases: pipeline only), `other` (embedding and head:
-    fsdp, tensor) and `vectors` (the final norm: never)."""
-    counts = dict.fromkeys(("layers", "layer_vectors", "other", "vectors"), 0)
-    axes = jax.tree.leaves(model.axes, is_leaf=lambda x: isinstance(x, tuple))
-    for names, shape in zip(axes, jax.tree.leaves(model.shapes), strict=True):
-        stacked, vector = names[0] == "layers", set(names) <= {"layers", "norm"}
-        kind = ("layer_vectors" if vector else "layers") if stacked else ("vectors" if vector else "other")
-        counts[kind] += math.prod(shape.shape)
-    counts["experts"] = expert_param_count(model.shapes)
-    return counts
-
-
-def expected_bytes(counts: dict[str, int], layout: Layout) -> dict[str, float]:
-    """The arithmetic: params 4N, grads 4N, Adam 8N, each divided by the devices that split it
-    (`param_counts` says which split what); ZeRO adds `data` for optimizer state (stage >= 1),
-    gradients (>= 2) and parameters (3)."""
-    shape, zero = layout.mesh.shape, layout.zero_stage
-    experts = counts["experts"] / shape["expert"]
-    spread = ((counts["layers"] - counts["experts"] + experts) / (shape["pipeline"] * shape["fsdp"] * shape["tensor"])
-              + counts["layer_vectors"] / shape["pipeline"] + counts["other"] / (shape["fsdp"] * shape["tensor"])
-              + counts["vectors"])
-
-    def per_device(bytes_per_param: int, stage: int) -> float:
-        return bytes_per_param * spread / (shape["data"] if zero >= stage else 1)
-
-    return {"params": per_device(4, 3), "grads": per_device(4, 2), "opt_state": per_device(8, 1)}
 
 
 def compile_plan(config, platform: str, devices=None):
@@ -134,7 +104,7 @@ def describe(config, run, compiled, compile_s: float) -> dict:
                                "temp": memory.temp_size_in_bytes, "alias": memory.alias_size_in_bytes,
                                "code": memory.generated_code_size_in_bytes},
             "host_bytes": {"params": shard_bytes(state.params, HOST), "opt_state": shard_bytes(state.opt_state, HOST)},
-            "expected_bytes": expected_bytes(param_counts(run.model), run.layout),
+            "expected_bytes": expected_bytes(param_counts(run.model), run.layout.mesh.shape, run.layout.zero_stage),
             "collectives": totals.collectives, "collectives_by_axis": totals.by_axis(run.layout.mesh.shape),
             "flops": _flops(run, None if totals.convolutions else totals.dot_flops, config),
             "notes": list(run.notes)}
@@ -248,6 +218,8 @@ def _target(flags: dict) -> tuple[str | None, list | None, float | None, dict]:
 
 
 def _plan(config, path: str, flags: dict) -> None:
+    if flags.get("search"):
+        return _search(config, path, flags)
     platform, devices, limit, pod = _target(flags)
     run, compiled, seconds = compile_plan(config, platform or jax.default_backend(), devices)
     if flags.get("hlo"):  # the compiled step's HLO, as the compiler optimised it
@@ -266,9 +238,63 @@ def _plan(config, path: str, flags: dict) -> None:
         print(line, file=sys.stderr)
 
 
+def search_target(topology_name: str | None = None, memory_gb: float | None = None, devices=None):
+    """The search's Target: a named topology (its datasheet), or this host's `devices` (default:
+    all; measured)."""
+    from jaxscale.analysis import machines, search
+    from jaxscale.mesh import granule_count
+
+    if topology_name:
+        devices, pod = topology.compile_only_devices(topology_name)
+        machine = machines.for_pod(pod, devices)
+        hosts = granule_count(devices)
+        slices = pod.slices if pod.platform == "tpu" else hosts  # a TPU slice's hosts share its ICI
+    else:
+        devices = list(devices or jax.devices())
+        if devices[0].platform != "cpu":
+            raise ConfigError("--topology", "", f"name the {devices[0].platform.upper()}s to search for (e.g. "
+                                                "--topology=h100-8 or v5p-256): their links come from the datasheet")
+        machine = machines.calibrate_cpu(devices)
+        slices = hosts = 1
+    if memory_gb:
+        machine = dataclasses.replace(machine, memory_bytes=memory_gb * GIB)
+    return search.Target(topology_name, len(devices), slices, hosts, machine, tuple(devices))
+
+
+def _search(config, path: str, flags: dict) -> None:
+    from jaxscale.analysis import search
+
+    target = search_target(flags.get("topology"), flags.get("device_memory_gb"))
+    result = search.search(config, target, count=flags.get("compile") or 8,
+                           budget_s=flags.get("budget_s") or 1200.0, workers=flags.get("workers"))
+    rows, top = result.rows, result.rows[:flags.get("top") or 10]
+    if flags.get("json"):
+        print(json.dumps(search.records(top, target, flags.get("tokens")), indent=2))
+    else:
+        print(f"search: {result.estimated} layouts fit by arithmetic; {len(rows)} compiled for "
+              f"{target.machine.name} ({target.devices} devices)")
+        print(search.table(top, target, flags.get("tokens")))
+    for layout, why in result.failed:
+        print(f"not compiled: {layout.describe()}: {why}", file=sys.stderr)
+    best = search.best_overrides(rows)
+    changed = {k: v for k, v in best.items() if _current(config, k) != v}
+    if flags.get("write"):
+        with open(flags["write"], "w") as file:
+            json.dump(changed, file, indent=2)
+    print("best: " + search.command_line(path, changed), file=sys.stderr if flags.get("json") else sys.stdout)
+
+
+def _current(config, key: str):
+    node = config
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
 def main(argv: list[str] | None = None) -> int:
     return cli.main(_plan, USAGE, {"json": bool, "hlo": str, "device_memory_gb": float, "platform": str,
-                                   "topology": str}, argv)
+                                   "topology": str, "search": bool, "tokens": float, "top": int, "compile": int,
+                                   "budget_s": float, "workers": int, "write": str}, argv)
 
 
 if __name__ == "__main__":

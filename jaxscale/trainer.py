@@ -89,6 +89,28 @@ class Trainer:
 
     # -- looking at the run --------------------------------------------------------------------
 
+    def plan(self, search: bool = False, topology: str | None = None, tokens: float | None = None,
+             compile: int = 8, budget_s: float = 1200.0):
+        """This run's compiled plan (the dict `python -m jaxscale.plan --json` prints); with
+        search=True the layouts ranked for `topology` (default: this run's devices) as
+        `python -m jaxscale.plan --search` ranks them: a pandas DataFrame when pandas is installed,
+        else a list of dicts, and the picture of the ranking in WORKDIR/search.png."""
+        from jaxscale import plan as plan_lib
+        from jaxscale.analysis import search as search_lib
+
+        devices = self._session.run.devices
+        if not search:
+            return plan_lib.make_plan(self.config, devices=devices)
+        target = plan_lib.search_target(topology, devices=None if topology else devices)
+        rows = search_lib.search(self.config, target, count=compile, budget_s=budget_s, workers=1).rows
+        search_lib.draw(rows, target, self.workdir / "search.png")
+        table = search_lib.records(rows, target, tokens)
+        try:
+            import pandas
+        except ImportError:
+            return table
+        return pandas.DataFrame(table)
+
     @property
     def step(self) -> int:
         return self._session.live.step

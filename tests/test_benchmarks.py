@@ -94,6 +94,17 @@ def _check_pipeline(out):
     assert [r["in_flight"] for r in out["rows"]] == [2, 4, 2, 2]  # GPipe holds all M; 1F1B at most P
 
 
+def _check_search(out):
+    """--smoke compiles the 2 best candidates and pure FSDP (fsdp=8, when not among them) and
+    steps each once; the rank correlation is over those rows, and the first row is the search's
+    choice."""
+    rows = out["rows"]
+    assert len(rows) in (2, 3) and "fsdp=8 none" in [r["layout"] for r in rows]
+    assert all(0 < r["predicted_s"] and 0 < r["measured_s"] < out["test_wall_s"] for r in rows)
+    assert -1 <= out["spearman"] <= 1 and out["first_over_fastest"] == pytest.approx(
+        rows[0]["measured_s"] / min(r["measured_s"] for r in rows))
+
+
 def _check_checkpoint(out):
     """The state saved is the config's: float32 parameters and Adam's two moments, 12 bytes a
     parameter (N by hand, tests/sends.param_groups), and a few scalars (steps, counts, the key).
@@ -209,6 +220,7 @@ BENCHMARKS = {  # file -> (extra arguments, check of its JSON)
     "overhead.py": ([], _check_overhead),
     "context_parallel.py": ([], _check_context_parallel),
     "pipeline.py": ([], _check_pipeline),
+    "search.py": ([], _check_search),
 }
 
 

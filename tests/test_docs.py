@@ -1,9 +1,9 @@
 """The documents cannot rot: every command in a `bash test` fenced block of README.md,
 CONTRIBUTING.md and docs/ runs, on tiny settings (a training run stops after 1 step, without
 evaluations, in a temporary workdir; the other CLI tests' settings, so their compiled steps are
-in the persistent cache), and exits 0. Commands are `[VAR=value ...] python -m
-jaxscale.MODULE ARGS`; they run in this process (its 8 fake devices, as a block's XLA_FLAGS asks),
-like the other CLI tests."""
+in the persistent cache; a layout search compiles one candidate beside pure FSDP), and exits 0.
+Commands are `[VAR=value ...] python -m jaxscale.MODULE ARGS`; they run in this process (its 8
+fake devices, as a block's XLA_FLAGS asks), like the other CLI tests."""
 
 import re
 import shlex
@@ -14,7 +14,8 @@ from conftest import ROOT, main_cli
 
 BLOCK = re.compile(r"^```bash test\n(.*?)^```", re.M | re.S)
 PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
-TINY = {"jaxscale.train": ["--config.train.steps=1", "--config.train.eval_every=0"]}
+TINY = {"jaxscale.train": ["--config.train.steps=1", "--config.train.eval_every=0"],
+        "jaxscale.plan": ["--compile=1", "--workers=1"]}  # a search compiles its best candidate and FSDP
 
 
 def commands(text: str) -> list[str]:

@@ -41,3 +41,5 @@ device_description_str: "{self.name}"
 GPUS = {"h100": Gpu("NVIDIA H100 80GB HBM3", 84_942_979_072, 3_352_320_000_000),
         "h200": Gpu("NVIDIA H200 141GB HBM3e", 151_397_597_184, 4_800_000_000_000)}
 GPUS_PER_HOST = 8
+NVLINK = 900e9           # bytes/s, bidirectional, per H100/H200 SXM GPU (NVLink 4: 18 links x 50 GB/s)
+NETWORK_PER_GPU = 50e9   # bytes/s, one direction: one 400 Gb/s InfiniBand NIC per GPU (DGX H100/H200)

@@ -26,6 +26,13 @@ GIB = 2**30
 # generation -> (libtpu's name, TensorCores counted per chip in the slice name, HBM GiB per chip, 3D torus)
 GENERATIONS = {"v4": ("v4", 2, 32, True), "v5p": ("v5p", 2, 95, True), "v5e": ("v5e", 1, 16, False),
                "v6e": ("v6e", 1, 32, False)}
+# generation -> (HBM bytes/s, bidirectional ICI bytes/s, data-center network bytes/s), per chip, from
+# Cloud TPU's system-architecture pages: v5p 2765 GBps, 1200 GBps, 50 Gbps; v5e 819 GBps, 400 GBps
+# and 2 x 100 Gbps NICs a host of 8 chips; v6e 1638 GBps, 800 GBps (its DCN is not published:
+# v5e's is assumed); v4 1200 GBps HBM, and as ICI its 1.1 PB/s all-reduce bandwidth per 4096-chip
+# pod doubled (the ratio v5e's and v6e's pages show), its DCN assumed to be v5e's.
+BANDWIDTH = {"v4": (1200e9, 537e9, 25e9 / 8), "v5p": (2765e9, 1200e9, 50e9 / 8),
+             "v5e": (819e9, 400e9, 25e9 / 8), "v6e": (1638e9, 800e9, 25e9 / 8)}
 # chips -> the slice's shape in chips: 2D for v5e/v6e, 3D tori for v4/v5p
 SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
 SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",

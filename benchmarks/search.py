@@ -1,0 +1,118 @@
+"""The layout search's step-time model against measured steps, and its calibration on GPU numbers.
+
+    python benchmarks/search.py [--compile=10] [--rounds=5] [--append]      # tiny, 8 fake CPU devices
+    JAX_PLATFORMS=cpu PYTHONPATH=.venv/gpu-plan python benchmarks/search.py --calibrate [--append]
+
+Default: `plan --search` for configs/tiny.py on this host's 8 fake CPU devices compiles its
+`--compile` best candidates (and pure FSDP); each is then built, compiled with the CLI's XLA
+flags and stepped, all taking turns for `--rounds` rounds. Reported: the predicted and measured
+step of each, Spearman's rank correlation between the two, and the measured step of the layout
+the search ranks first against the fastest measured.
+
+--calibrate: llama_1b (batch 8, seq 2048, dots_saveable) and gpt2_124m (batch 16, seq 2048)
+compiled for one H200 by XLA's GPU compiler; the matmul efficiency that makes the model predict
+llama_1b's measured 291 ms, and gpt2_124m's prediction with it against its measured 108 ms.
+"""
+
+from __future__ import annotations
+
+import _common
+
+import argparse
+import dataclasses
+
+SMOKE = ["train.global_batch_size=8", "train.seq_len=32", "model.d_model=64", "model.d_ff=128"]
+MEASURED_GPU = {"configs/llama_1b.py": (["train.global_batch_size=8", "train.seq_len=2048",
+                                         "model.remat='dots_saveable'"], 0.291),
+                "configs/gpt2_124m.py": (["train.global_batch_size=16", "train.seq_len=2048",
+                                          "model.max_seq_len=2048", "model.remat='none'"], 0.108)}
+
+
+def _spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (no ties expected in measured times)."""
+    import numpy as np
+
+    ra, rb = (np.argsort(np.argsort(x)).astype(float) for x in (a, b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def cpu(args) -> None:
+    import jax
+
+    from jaxscale.analysis import search
+    from jaxscale.plan import search_target
+
+    import _steps
+
+    overrides = SMOKE if args.smoke else []
+    config = _common.tiny_config(overrides)
+    target = search_target()
+    rows = search.search(config, target, count=args.compile, workers=1).rows
+    steppers = {}
+    for row in rows:
+        layout = search.with_overrides(config, row.layout.overrides())
+        steppers[row.layout.describe()] = _steps.stepper(layout, steps=args.steps).timed
+    measured = _steps.interleaved(steppers, args.rounds)
+    names = list(steppers)
+    predicted = {r.layout.describe(): r.prediction.step_s for r in rows}
+    rho = _spearman([predicted[n] for n in names], [measured[n] for n in names])
+    fastest = min(measured.values())
+    lines = ["| rank | layout | predicted ms | measured ms |", "|---:|---|---:|---:|"]
+    lines += [f"| {i} | {n} | {predicted[n] * 1e3:.1f} | {measured[n] * 1e3:.1f} |" for i, n in enumerate(names, 1)]
+    text = _common.entry(
+        f"tiny on {jax.device_count()} CPU devices, {len(names)} layouts",
+        "\n".join(lines) + f"\n\nSpearman's rank correlation, predicted against measured: **{rho:.2f}**; the "
+        f"layout ranked first measured {measured[names[0]] / fastest:.2f}x the fastest measured "
+        f"({len(names)} layouts, median of {args.rounds} rounds of {args.steps} steps each, taking turns).\n"
+        + "\n".join(f"Assumed: {a}." for a in target.machine.assumptions) + "\n")
+    _common.report(args, text, {"benchmark": "search", "rows": [
+        {"layout": n, "predicted_s": predicted[n], "measured_s": measured[n]} for n in names],
+        "spearman": rho, "first_over_fastest": measured[names[0]] / fastest})
+
+
+def calibrate(args) -> None:
+    from jaxscale import cli
+    from jaxscale.analysis import cost, machines, topology
+    from jaxscale.plan import compile_plan, describe
+
+    devices, pod = topology.compile_only_devices("h200-1")
+    ideal = dataclasses.replace(machines.for_pod(pod, devices), efficiency=1.0)
+    rows, efficiency = [], None
+    for path, (overrides, measured_s) in MEASURED_GPU.items():
+        config = cli.load_config(str(_common.ROOT / path), overrides + ["mesh.data=1"])
+        plan = describe(config, *compile_plan(config, "gpu", devices))
+        plan["remat"] = config.model.remat
+        p = cost.predict(plan, ideal)
+        if efficiency is None:  # the first (llama_1b) calibrates
+            efficiency = p.compute_s / (measured_s - p.memory_s - p.exposed_s)
+        predicted = p.compute_s / efficiency + p.memory_s + p.exposed_s
+        rows.append({"config": path, "matmul_tflop": cost.matmul_flops(plan) / 1e12, "memory_ms": p.memory_s * 1e3,
+                     "measured_ms": measured_s * 1e3, "predicted_ms": predicted * 1e3})
+    lines = ["| config | matmul TFLOP a step | memory term ms | measured ms | predicted ms |",
+             "|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['config']} | {r['matmul_tflop']:.1f} | {r['memory_ms']:.1f} | {r['measured_ms']:.0f} | "
+              f"{r['predicted_ms']:.0f} |" for r in rows]
+    text = _common.entry("GPU calibration on one H200", "\n".join(lines) + f"\n\nMatmul efficiency calibrated on "
+                         f"llama_1b: **{efficiency:.3f}** of the H200's 989 TFLOP/s (jaxscale.analysis.machines).\n")
+    _common.report(args, text, {"benchmark": "search", "efficiency": efficiency, "rows": rows})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--compile", type=int, default=10, help="candidates the search compiles")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3, help="steps a timed call")
+    parser.add_argument("--calibrate", action="store_true", help="the GPU calibration instead")
+    _common.add_flags(parser)
+    args = parser.parse_args()
+    if args.smoke:
+        args.compile, args.rounds, args.steps = 2, 1, 1
+    if args.calibrate:
+        calibrate(args)
+        return
+    _common.fake_cpu_devices(8)
+    cpu(args)
+
+
+if __name__ == "__main__":
+    main()

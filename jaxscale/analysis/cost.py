@@ -1,0 +1,108 @@
+"""A step-time model of a compiled train step, and the machines it describes.
+
+    predicted = compute / (1 - bubble)  +  memory  +  exposed collectives
+                (with the collectives the compiler can hide under compute taking the larger of the two)
+
+- compute: the step's matmul FLOPs per device (read from the compiled program where the compiler
+  writes dots; the PaLM formula, x 4/3 under full remat, where it writes convolutions, as the TPU
+  compiler does) at the machine's peak times a stated efficiency;
+- bubble: the pipeline schedule's idle share of stage-ticks, from the table the step runs;
+- memory: what is bound by memory bandwidth rather than matmuls: the optimizer's update, three
+  passes over the state's bytes (read parameters and moments, write them back), and the step's
+  temporaries (saved activations, gradients) written once and read once;
+- collectives: for each mesh axis group, the bytes each device sends (ring arithmetic, from the
+  compiled HLO) over the slowest link the group crosses, plus a latency per collective.
+  Collectives over data, fsdp and pipeline (weight gathers, gradient reductions, stage sends)
+  run beside compute under XLA's latency-hiding scheduler: their time counts only past the
+  compute's. Collectives over tensor, sequence and expert sit between the matmuls that need
+  them and are exposed. Where several virtual devices share one host's cores (CPU), nothing
+  overlaps and the devices' compute adds up (the pipeline's ticks still wait for each other).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+OVERLAPPED = frozenset({"data", "fsdp", "pipeline"})
+FULL_REMAT_FACTOR = 4 / 3  # the forward pass again in the backward: 8N against 6N FLOPs a token
+
+
+@dataclasses.dataclass(frozen=True)
+class Machine:
+    """What the model needs of the hardware; every field per device, bandwidths one direction."""
+
+    name: str
+    peak_flops: float        # dense bf16 FLOP/s
+    efficiency: float        # share of the peak the step's matmuls reach
+    memory_bytes: float      # HBM a device may use
+    memory_bandwidth: float  # bytes/s
+    fast: float              # bytes/s inside a fast domain (ICI, NVLink)
+    slow: float              # bytes/s across domains (DCN, InfiniBand)
+    fast_domain: int         # devices a fast domain joins (a TPU slice, a GPU host)
+    latency_s: float         # a collective's fixed cost
+    shared_cores: bool = False  # virtual devices on one host's cores (CPU): work adds up, nothing overlaps
+    assumptions: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    step_s: float
+    compute_s: float
+    memory_s: float
+    bubble: float
+    hidden_s: float                  # collectives the scheduler can overlap with compute
+    exposed_s: float                 # collectives on the critical path
+    by_axis_s: dict[str, float]      # each mesh axis group's collective time
+
+
+def link_speed(machine: Machine, axes: str, mesh: dict[str, int], dcn: dict[str, int]) -> float:
+    """Bytes/s of the slowest link a collective over `axes` ("data+fsdp") crosses: slow where an
+    axis spans slices (a DCN multiplier above 1) or, within a slice, devices of different fast
+    domains (mesh axes fill the fast domain from the innermost out)."""
+    names = axes.split("+")
+    if any(dcn.get(a, 1) > 1 for a in names):
+        return machine.slow
+    order = list(mesh)  # outer to inner, as jaxscale.mesh builds it
+    inner = 1
+    for axis in reversed(order):
+        inner *= mesh[axis] // dcn.get(axis, 1)
+        if axis in names and inner > machine.fast_domain:
+            return machine.slow
+    return machine.fast
+
+
+def matmul_flops(plan: dict) -> float:
+    """Matmul FLOPs per device per step: the compiled program's, or the formula's (x 4/3 with full
+    remat) where the compiler writes its matmuls as convolutions, and in a pipeline (its executor
+    runs one branch of a conditional a tick, and the HLO count adds every branch)."""
+    flops = plan["flops"]
+    if flops["compiled_per_device"] is not None and plan["pipeline"]["stages"] == 1:
+        return flops["compiled_per_device"]
+    return flops["formula_per_device"] * (FULL_REMAT_FACTOR if plan.get("remat") == "full" else 1.0)
+
+
+def predict(plan: dict, machine: Machine, dcn: dict[str, int] | None = None) -> Prediction:
+    """The predicted step time of a plan (jaxscale.plan.describe's dict) on `machine`."""
+    mesh, dcn = plan["mesh"], dcn or {}
+    devices = 1
+    for size in mesh.values():
+        devices *= size
+    work = devices if machine.shared_cores else 1
+    bubble = plan["pipeline"]["bubble_fraction"]
+    compute = work * matmul_flops(plan) / (machine.peak_flops * machine.efficiency) / (1 - bubble)
+    rows = plan["per_device_bytes"]
+    memory = work * (3 * (rows["params"] + rows["opt_state"]) + 2 * rows["temp"]) / machine.memory_bandwidth
+    by_axis: dict[str, float] = {}
+    for over in plan["collectives_by_axis"].values():
+        for axes, row in over.items():
+            if axes in ("", "none"):
+                continue
+            seconds = row["sent_bytes"] / link_speed(machine, axes, mesh, dcn) + row["count"] * machine.latency_s
+            by_axis[axes] = by_axis.get(axes, 0.0) + seconds
+    hidden = sum(t for axes, t in by_axis.items() if set(axes.split("+")) <= OVERLAPPED)
+    exposed = sum(by_axis.values()) - hidden
+    if machine.shared_cores:
+        step = compute + memory + hidden + exposed
+    else:
+        step = max(compute, hidden) + memory + exposed
+    return Prediction(step, compute, memory, bubble, hidden, exposed, by_axis)

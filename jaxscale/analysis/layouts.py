@@ -1,0 +1,191 @@
+"""The layouts a search considers, and the arithmetic that ranks them before anything compiles.
+
+A layout is a set of config overrides: every mesh axis (`mesh.data` ... `mesh.expert`, and
+`mesh_dcn.data` across slices or hosts), `zero_stage`, `model.remat`, and with a pipeline its
+schedule and microbatches. `candidates` yields those the model and the devices allow (heads, KV
+heads, layers, experts, sequence and batch divisible as each axis needs; tensor and sequence
+inside one fast domain); `estimate` gives each one's per-device memory and a plan-shaped dict of
+its FLOPs and collectives by arithmetic, which jaxscale.analysis.cost prices like a compiled plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+from jaxscale.analysis.state_bytes import expected_bytes
+from jaxscale.names import AXES
+from jaxscale.parallel import schedules
+
+REMATS = ("none", "dots_saveable", "full")
+SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """One candidate: mesh sizes (whole mesh; `dcn_data` of `data` cross slow links), ZeRO stage,
+    remat, and the pipeline's schedule, microbatches and virtual stages."""
+
+    mesh: tuple[tuple[str, int], ...]
+    dcn_data: int
+    zero_stage: int
+    remat: str
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    virtual: int = 1
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return dict(self.mesh)
+
+    def overrides(self) -> dict[str, object]:
+        """The dotted config keys and values of this layout, as `--config.KEY=VALUE` takes them."""
+        sizes = self.sizes
+        out: dict[str, object] = {f"mesh.{a}": sizes[a] // (self.dcn_data if a == "data" else 1) for a in AXES}
+        out.update({"mesh_dcn.data": self.dcn_data, "zero_stage": self.zero_stage, "model.remat": self.remat})
+        if sizes["pipeline"] > 1:
+            out.update({"pipeline.schedule": self.schedule, "pipeline.microbatches": self.microbatches,
+                        "pipeline.virtual_stages": self.virtual})
+        return out
+
+    def describe(self) -> str:
+        """'fsdp=16 tensor=8 zero1 full 1f1b x8', the axes above 1 first."""
+        parts = [f"{a}={n}" for a, n in self.mesh if n > 1] or ["1 device"]
+        if self.zero_stage:
+            parts.append(f"zero{self.zero_stage}")
+        parts.append(self.remat)
+        if self.sizes["pipeline"] > 1:
+            parts.append(f"{self.schedule} x{self.microbatches}" + (f" v{self.virtual}" if self.virtual > 1 else ""))
+        return " ".join(parts)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _factorizations(n: int, parts: int):
+    """Every ordered tuple of `parts` positive integers whose product is n."""
+    if parts == 1:
+        yield (n,)
+        return
+    for d in _divisors(n):
+        for rest in _factorizations(n // d, parts - 1):
+            yield (d, *rest)
+
+
+def candidates(config, devices: int, slices: int, fast_domain: int, remats=REMATS):
+    """Layouts of `devices` (in `slices` slices or hosts joined by slow links) the model allows."""
+    m, t = config.model, config.train
+    head_dim_ok = m.d_model % m.num_heads == 0
+    experts = m.moe.num_experts
+    for data, pipeline, fsdp, expert, sequence, tensor in _factorizations(devices, len(AXES)):
+        sizes = dict(zip(AXES, (data, pipeline, fsdp, expert, sequence, tensor)))
+        if data % slices or not head_dim_ok:
+            continue
+        if m.num_heads % tensor or m.d_ff % tensor or tensor * sequence > fast_domain:
+            continue
+        if t.seq_len % (sequence * (2 if sequence > 1 else 1)) or m.num_layers % pipeline:
+            continue
+        if expert > 1 and (not experts or experts % expert):
+            continue
+        batch = data * fsdp * expert
+        if t.global_batch_size % (batch * t.grad_accum_steps):
+            continue
+        local = t.global_batch_size // (batch * t.grad_accum_steps)
+        mesh = tuple(sizes.items())
+        # ZeRO-3 over data inside one slice splits what fsdp splits, the same program: left to fsdp.
+        stages = (range(4) if slices > 1 else range(3)) if data > 1 else (0,)
+        for zero, remat in itertools.product(stages, remats):
+            if pipeline == 1:
+                yield Layout(mesh, slices, zero, remat)
+                continue
+            # beside context parallelism the stages run by autodiff through GPipe's forward
+            for (schedule, virtual), factor in itertools.product(SCHEDULES if sequence == 1 else (("gpipe", 1),),
+                                                                 (1, 2, 4)):
+                micro = pipeline * factor
+                if local % micro == 0 and m.num_layers % (pipeline * virtual) == 0:
+                    yield Layout(mesh, slices, zero, remat, schedule, micro, virtual)
+
+
+def bubble(layout: Layout) -> float:
+    """The schedule table's idle share of stage-ticks (0 without a pipeline)."""
+    p = layout.sizes["pipeline"]
+    if p == 1:
+        return 0.0
+    return schedules.build(layout.schedule, p, layout.microbatches, layout.virtual).bubble()
+
+
+def estimate(config, layout: Layout, counts: dict[str, int], flops_per_token: float) -> dict:
+    """A plan-shaped dict of `layout` by arithmetic (jaxscale.plan.describe's keys that the cost
+    model reads), with "estimate_total" the per-device bytes: state + saved activations + logits."""
+    m, t, s = config.model, config.train, layout.sizes
+    width = 4 if m.dtype == "float32" else 2
+    tokens = t.global_batch_size * t.seq_len
+    batch = s["data"] * s["fsdp"] * s["expert"]
+    micro = tokens / batch / s["sequence"] / t.grad_accum_steps / layout.microbatches  # a device's tokens at once
+    layers = m.num_layers / s["pipeline"]
+    state = expected_bytes(counts, s, layout.zero_stage)
+    activations = micro * layers * _saved_per_token(m, layout.remat, s["tensor"]) * width
+    in_flight = s["pipeline"] if s["pipeline"] > 1 else 1
+    logits = min(m.head_chunk_mib * 2**20 or math.inf, micro * m.vocab_size / s["tensor"] * 4)
+    total = state["params"] + state["grads"] + state["opt_state"] + activations * in_flight + 2 * logits
+    model_bytes = width * (counts["layers"] - counts["experts"] + counts["experts"] / s["expert"]
+                           + counts["other"]) / (s["tensor"] * s["pipeline"])
+    return {"mesh": s, "remat": layout.remat, "estimate_total": total,
+            "pipeline": {"stages": s["pipeline"], "bubble_fraction": bubble(layout)},
+            "flops": {"compiled_per_device": None,
+                      "formula_per_device": flops_per_token * tokens / math.prod(s.values())},
+            "per_device_bytes": {"params": state["params"], "opt_state": state["opt_state"],
+                                 "temp": activations * in_flight + state["grads"]},
+            "collectives_by_axis": {"estimate": _collectives(config, layout, micro * t.grad_accum_steps, model_bytes)}}
+
+
+def _saved_per_token(m, remat: str, tensor: int) -> float:
+    """Elements a layer keeps per token for its backward pass: everything it computed (none), its
+    matmuls' outputs (dots_saveable) or only its input (full, which then recomputes one layer's)."""
+    kv = 2 * m.num_kv_heads * (m.d_model // m.num_heads)
+    if remat == "full":
+        return m.d_model
+    if remat == "dots_saveable":
+        return (2 * m.d_model + kv + 2 * m.d_ff) / tensor + 2 * m.d_model
+    return (4 * m.d_model + kv + 4 * m.d_ff) / tensor + 4 * m.d_model
+
+
+def _collectives(config, layout: Layout, tokens: float, model_bytes: float) -> dict[str, dict[str, float]]:
+    """{mesh axis: {"count", "sent_bytes"}} a device runs a step, by ring arithmetic: weights
+    gathered twice and gradients reduce-scattered over fsdp (and over data at ZeRO-3; gradients
+    all-reduced over data below it), two all-reduces of the activations a layer forward and two
+    backward over tensor (three each with full remat), K and V passed round the sequence ring
+    (forward, and twice backward), tokens to experts and back over expert, and each microbatch's
+    activations and gradients between pipeline stages."""
+    m, s = config.model, layout.sizes
+    width = 4 if m.dtype == "float32" else 2
+    layers = m.num_layers / s["pipeline"]
+    act = tokens / s["sequence"] * m.d_model * width  # a device's activations of one layer, whole batch
+    rows = {}
+
+    def ring(n: int) -> float:
+        return (n - 1) / n
+
+    if s["fsdp"] > 1:
+        rows["fsdp"] = {"count": 3 * layers, "sent_bytes": 3 * model_bytes * ring(s["fsdp"])}
+    if s["data"] > 1:
+        shard = model_bytes / s["fsdp"]
+        passes = 3 if layout.zero_stage == 3 else 2
+        rows["data"] = {"count": passes * layers, "sent_bytes": passes * shard * ring(s["data"])}
+    if s["tensor"] > 1:
+        passes = 6 if layout.remat == "full" else 4
+        rows["tensor"] = {"count": passes * layers, "sent_bytes": passes * layers * 2 * act * ring(s["tensor"])}
+    if s["sequence"] > 1:
+        kv = act * 2 * m.num_kv_heads / m.num_heads
+        rows["sequence"] = {"count": 3 * layers * (s["sequence"] - 1),
+                            "sent_bytes": 3 * layers * kv * (s["sequence"] - 1)}
+    if s["expert"] > 1:
+        moe_layers = layers / max(1, m.moe.every_n_layers)
+        rows["expert"] = {"count": 4 * moe_layers,
+                          "sent_bytes": 4 * moe_layers * act * m.moe.top_k * ring(s["expert"])}
+    if s["pipeline"] > 1:
+        rows["pipeline"] = {"count": 2 * layout.microbatches * layout.virtual,
+                            "sent_bytes": 2 * act * layout.virtual}
+    return {axis: row for axis, row in rows.items()}

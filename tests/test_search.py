@@ -1,0 +1,142 @@
+"""The layout search: the candidates it considers, the step-time model's arithmetic, a refusal, and
+its written choice trained (on 8 fake CPU devices, equal to one device) and shown in a notebook."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import ROOT, main_cli
+from jaxscale import cli
+from jaxscale.analysis import cost, layouts, search
+from jaxscale.errors import ConfigError
+from jaxscale.validate import validate
+
+TINY = str(ROOT / "configs" / "tiny.py")
+
+
+def test_the_candidates_are_the_layouts_the_model_allows():
+    """tiny (4 heads, 2 KV heads, 2 layers, batch 16, seq 128) on 8 devices: every candidate
+    validates; tensor never exceeds the heads, pipeline never the layers; pure FSDP and a 1F1B
+    pipeline beside FSDP are among them, and ZeRO stages only where data splits."""
+    config = cli.load_config(TINY, [])
+    found = list(layouts.candidates(config, 8, 1, 8))
+    for layout in found:
+        validate(search.with_overrides(config, layout.overrides()), 8)
+    described = {layout.describe() for layout in found}
+    assert {"fsdp=8 none", "pipeline=2 fsdp=4 none 1f1b x2", "data=8 zero2 full"} <= described
+    assert not any(layout.zero_stage == 3 for layout in found)  # inside one slice ZeRO-3 is fsdp
+    assert all(layout.sizes["tensor"] <= 4 and layout.sizes["pipeline"] <= 2 for layout in found)
+    assert all(layout.zero_stage == 0 for layout in found if layout.sizes["data"] == 1)
+    assert not any(layout.sizes["expert"] > 1 for layout in found)  # a dense model has no experts to split
+    # Meshes, counted by hand: tensor in {1, 2, 4} (4 heads), pipeline in {1, 2} (2 layers),
+    # sequence with tensor x sequence <= 8, and data x fsdp the rest (each ordered split of it).
+    # tensor 1: (s, p) = (1, 1) 4 splits of 8, (1, 2) 3, (2, 1) 3, (2, 2) 2, (4, 1) 2, (4, 2) 1,
+    # (8, 1) 1 = 16; tensor 2: 3 + 2 + 2 + 1 + 1 = 9; tensor 4: 2 + 1 + 1 = 4.
+    assert len({layout.mesh for layout in found}) == 29
+
+
+MACHINE = cost.Machine("test", peak_flops=1e15, efficiency=0.5, memory_bytes=80e9, memory_bandwidth=2e12,
+                       fast=400e9, slow=50e9, fast_domain=8, latency_s=1e-5)
+
+
+def _plan(mesh, by_axis, flops=1e15, stages=1, bubble=0.0):
+    return {"mesh": mesh, "flops": {"compiled_per_device": flops, "formula_per_device": flops},
+            "pipeline": {"stages": stages, "bubble_fraction": bubble},
+            "per_device_bytes": {"params": 1e9, "opt_state": 2e9, "temp": 5e9},
+            "collectives_by_axis": {"all-gather": by_axis}}
+
+
+def test_the_step_time_model_by_hand():
+    """On two hosts of 8 (data across them): 1 PFLOP at half of 1 PFLOP/s is 2 s; the memory term
+    (3 x 3 GB state + 2 x 5 GB temporaries) / 2 TB/s is 9.5 ms; 40 GB over data crosses hosts at
+    50 GB/s (0.8 s, hidden under compute); 8 GB over tensor stays in a host at 400 GB/s (20 ms,
+    exposed), plus 10 us for each of 100 collectives. A pipeline's 20% bubble stretches compute
+    by 1/0.8."""
+    mesh = {"data": 2, "pipeline": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 8}
+    rows = {"data": {"count": 100, "sent_bytes": 40e9}, "tensor": {"count": 100, "sent_bytes": 8e9}}
+    got = cost.predict(_plan(mesh, rows), MACHINE, {"data": 2})
+    assert got.compute_s == pytest.approx(2.0) and got.memory_s == pytest.approx(9.5e-3)
+    assert got.by_axis_s["data"] == pytest.approx(0.8 + 1e-3) and got.hidden_s == got.by_axis_s["data"]
+    assert got.exposed_s == pytest.approx(0.02 + 1e-3)
+    assert got.step_s == pytest.approx(2.0 + 9.5e-3 + 0.021)
+    slow = cost.predict(_plan(mesh, {"data": {"count": 1, "sent_bytes": 200e9}}), MACHINE, {"data": 2})
+    assert slow.step_s == pytest.approx(4.0 + 1e-5 + 9.5e-3)  # hidden no longer: the collective is the longer
+    piped = cost.predict(_plan(mesh, {}, stages=2, bubble=0.2), MACHINE)
+    assert piped.compute_s == pytest.approx(2.5)
+    # sixteen tensor ranks cannot stay in a host of 8: their link is the slow one
+    assert cost.link_speed(MACHINE, "tensor", {**mesh, "data": 1, "tensor": 16}, {}) == MACHINE.slow
+    assert cost.link_speed(MACHINE, "data+tensor", mesh, {}) == MACHINE.slow
+
+
+def test_a_topology_too_small_for_the_model_says_how_many_devices_it_needs():
+    """Llama-3-8B (8.03B parameters, 16 bytes each in training) on 4 v5e chips of 16 GiB: one line
+    naming --topology, and at least 8 chips."""
+    pytest.importorskip("libtpu", reason="compiling for TPU needs libtpu (pip install 'jaxscale[tpu]')")
+    result = main_cli(["--config=configs/llama3_8b.py", "--topology=v5e-4", "--search"], module="jaxscale.plan")
+    assert result.returncode == 2 and result.stdout == "", result.stdout
+    line = result.stderr.strip()
+    assert "\n" not in line and "--topology" in line and "needs at least 8 devices" in line, line
+
+
+@pytest.fixture(scope="module")
+def chosen(tmp_path_factory):
+    """tiny's search on the 8 fake devices, 3 candidates compiled, the best written as JSON."""
+    path = tmp_path_factory.mktemp("search") / "best.json"
+    result = main_cli([f"--config={TINY}", "--config.train.global_batch_size=16", "--search", "--compile=3",
+                       "--workers=1", f"--write={path}", "--tokens=1e9"], module="jaxscale.plan")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(path.read_text()), result.stdout
+
+
+def test_the_search_prints_a_ranked_table_and_the_command(chosen):
+    overrides, out = chosen
+    lines = out.splitlines()
+    assert lines[0].startswith("search: ") and "compiled for cpu x8 (8 devices)" in lines[0]
+    ranked = [line for line in lines if line[:2].strip().isdigit()]
+    steps = [float(line[len(line.split("  ")[0]):].split()[2]) for line in ranked]  # the step ms column
+    assert len(ranked) >= 3 and steps == sorted(steps), out
+    flags = " ".join(f"--config.{k}={v!r}" if isinstance(v, str) else f"--config.{k}={v}" for k, v in overrides.items())
+    assert lines[-1] == f"best: python -m jaxscale.train --config={TINY} {flags}"
+
+
+def test_the_written_layout_trains_as_one_device_does(chosen, tmp_path):
+    """The JSON's overrides, as --config flags, train tiny on 8 devices to one device's losses (fp32,
+    1e-5), the one-device run from a notebook's Trainer, whose search ranks its own device's layouts."""
+    from jaxscale import Trainer
+
+    overrides, _ = chosen
+    steps = ["train.steps=3", "train.log_every=1", "train.eval_every=0", "checkpoint.every_steps=0",
+             "tracking.writers='jsonl'", "tracking.report=False", "metrics.progress=False"]
+    flags = [f"--config.{k}={v!r}" if isinstance(v, str) else f"--config.{k}={v}" for k, v in overrides.items()]
+    workdir = tmp_path / "eight"
+    result = main_cli([f"--config={TINY}", f"--workdir={workdir}", *flags, *(f"--config.{s}" for s in steps)])
+    assert result.returncode == 0, result.stderr[-2000:]
+    eight = [json.loads(line)["loss"] for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    config = cli.load_config(TINY, steps + ["mesh.data=1"])
+    with Trainer(config, tmp_path / "one", devices=jax.devices()[:1]) as trainer:
+        one = [r["loss"] for r in trainer.run(3)]
+        table = trainer.plan(search=True, compile=2)
+    np.testing.assert_allclose(eight, one, rtol=1e-5)
+    rows = table.to_dict("records") if hasattr(table, "to_dict") else table
+    assert [r["rank"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) in (2, 3)  # + the baseline
+    assert all(r["overrides"]["mesh.data"] == 1 for r in rows) and rows[0]["step_s"] <= rows[1]["step_s"]
+    assert (tmp_path / "one" / "search.png").stat().st_size > 10_000
+
+
+def test_an_unknown_search_flag_value_is_one_line():
+    result = main_cli([f"--config={TINY}", "--search", "--compile=many"], module="jaxscale.plan")
+    assert result.returncode == 2 and "--compile" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_the_search_refuses_this_hosts_gpus_without_a_topology(monkeypatch):
+    """Only CPU devices are measured here; accelerators are described by their datasheets."""
+    from jaxscale import plan
+
+    class Gpu:
+        platform = "gpu"
+
+    monkeypatch.setattr(jax, "devices", lambda: [Gpu()])
+    with pytest.raises(ConfigError, match="--topology=h100-8"):
+        plan.search_target()
