@@ -3,9 +3,10 @@
     python benchmarks/search.py [--compile=10] [--rounds=5] [--append]      # tiny, 8 fake CPU devices
     JAX_PLATFORMS=cpu PYTHONPATH=.venv/gpu-plan python benchmarks/search.py --calibrate [--append]
 
-Default: `plan --search` for configs/tiny.py on this host's 8 fake CPU devices compiles its
-`--compile` best candidates (and pure FSDP); each is then built, compiled with the CLI's XLA
-flags and stepped, all taking turns for `--rounds` rounds. Reported: the predicted and measured
+Default: `plan --search --spread` for configs/tiny.py on this host's 8 fake CPU devices compiles
+its `--compile` best candidates, the best of each combination of split axes, and pure FSDP; each
+is then built, compiled with the CLI's XLA flags and stepped, all taking turns for `--rounds`
+rounds. Reported: the predicted and measured
 step of each, Spearman's rank correlation between the two, and the measured step of the layout
 the search ranks first against the fastest measured.
 
@@ -47,7 +48,7 @@ def cpu(args) -> None:
     overrides = SMOKE if args.smoke else []
     config = _common.tiny_config(overrides)
     target = search_target()
-    rows = search.search(config, target, count=args.compile, workers=1).rows
+    rows = search.search(config, target, count=args.compile, workers=1, spread=not args.smoke).rows
     steppers = {}
     for row in rows:
         layout = search.with_overrides(config, row.layout.overrides())
@@ -92,8 +93,10 @@ def calibrate(args) -> None:
              "|---|---:|---:|---:|---:|"]
     lines += [f"| {r['config']} | {r['matmul_tflop']:.1f} | {r['memory_ms']:.1f} | {r['measured_ms']:.0f} | "
               f"{r['predicted_ms']:.0f} |" for r in rows]
-    text = _common.entry("GPU calibration on one H200", "\n".join(lines) + f"\n\nMatmul efficiency calibrated on "
-                         f"llama_1b: **{efficiency:.3f}** of the H200's 989 TFLOP/s (jaxscale.analysis.machines).\n")
+    text = _common.entry("GPU calibration on one H200", "\n".join(lines) + f"\n\nCompiled here for an H200 by XLA's "
+                         "GPU compiler; the measured steps are the H200 runs of benchmarks/gpu.py. Matmul efficiency "
+                         f"calibrated on llama_1b: **{efficiency:.3f}** of the H200's 989 TFLOP/s "
+                         "(jaxscale.analysis.machines).\n")
     _common.report(args, text, {"benchmark": "search", "efficiency": efficiency, "rows": rows})
 
 

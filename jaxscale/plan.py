@@ -33,7 +33,8 @@ from jaxscale.offload import HOST
 USAGE = ("usage: python -m jaxscale.plan --config=PATH [--config.section.key=value ...] [--json] [--hlo=FILE] "
          "[--device_memory_gb=GB] [--platform=cpu|gpu|tpu "
          "| --topology=v5p-256|v5e-256|v6e-256|v4-128|2xv5e-256|h100-8|h200-16] "
-         "[--search [--tokens=1e12] [--top=10] [--compile=8] [--budget_s=1200] [--workers=N] [--write=FILE]]")
+         "[--search [--tokens=1e12] [--top=10] [--compile=8] [--spread] [--budget_s=1200] [--workers=N] "
+         "[--write=FILE]]")
 GIB = 2**30
 
 
@@ -265,8 +266,8 @@ def _search(config, path: str, flags: dict) -> None:
     from jaxscale.analysis import search
 
     target = search_target(flags.get("topology"), flags.get("device_memory_gb"))
-    result = search.search(config, target, count=flags.get("compile") or 8,
-                           budget_s=flags.get("budget_s") or 1200.0, workers=flags.get("workers"))
+    result = search.search(config, target, count=flags.get("compile") or 8, budget_s=flags.get("budget_s") or 1200.0,
+                           workers=flags.get("workers"), spread=bool(flags.get("spread")))
     rows, top = result.rows, result.rows[:flags.get("top") or 10]
     if flags.get("json"):
         print(json.dumps(search.records(top, target, flags.get("tokens")), indent=2))
@@ -294,7 +295,7 @@ def _current(config, key: str):
 def main(argv: list[str] | None = None) -> int:
     return cli.main(_plan, USAGE, {"json": bool, "hlo": str, "device_memory_gb": float, "platform": str,
                                    "topology": str, "search": bool, "tokens": float, "top": int, "compile": int,
-                                   "budget_s": float, "workers": int, "write": str}, argv)
+                                   "budget_s": float, "workers": int, "write": str, "spread": bool}, argv)
 
 
 if __name__ == "__main__":

@@ -63,8 +63,12 @@ def test_the_step_time_model_by_hand():
     assert got.step_s == pytest.approx(2.0 + 9.5e-3 + 0.021)
     slow = cost.predict(_plan(mesh, {"data": {"count": 1, "sent_bytes": 200e9}}), MACHINE, {"data": 2})
     assert slow.step_s == pytest.approx(4.0 + 1e-5 + 9.5e-3)  # hidden no longer: the collective is the longer
-    piped = cost.predict(_plan(mesh, {}, stages=2, bubble=0.2), MACHINE)
-    assert piped.compute_s == pytest.approx(2.5)
+    piped = _plan(mesh, {"tensor": {"count": 100, "sent_bytes": 8e9}}, stages=2, bubble=0.2)
+    piped["pipeline"].update(ticks=10, microbatches=4, virtual_stages=1)
+    got = cost.predict(piped, MACHINE)
+    assert got.compute_s == pytest.approx(2.5)
+    # the executor takes 1 of its branches a tick: 4 microbatches' worth of the 10 ticks' count run
+    assert got.exposed_s == pytest.approx(0.4 * (0.02 + 1e-3))
     # sixteen tensor ranks cannot stay in a host of 8: their link is the slow one
     assert cost.link_speed(MACHINE, "tensor", {**mesh, "data": 1, "tensor": 16}, {}) == MACHINE.slow
     assert cost.link_speed(MACHINE, "data+tensor", mesh, {}) == MACHINE.slow

@@ -11,7 +11,8 @@
   passes over the state's bytes (read parameters and moments, write them back), and the step's
   temporaries (saved activations, gradients) written once and read once;
 - collectives: for each mesh axis group, the bytes each device sends (ring arithmetic, from the
-  compiled HLO) over the slowest link the group crosses, plus a latency per collective.
+  compiled HLO) over the slowest link the group crosses, plus a latency per collective (in a
+  pipeline, the in-layer collectives of the one branch its executor takes a tick).
   Collectives over data, fsdp and pipeline (weight gathers, gradient reductions, stage sends)
   run beside compute under XLA's latency-hiding scheduler: their time counts only past the
   compute's. Collectives over tensor, sequence and expert sit between the matmuls that need
@@ -24,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 
 OVERLAPPED = frozenset({"data", "fsdp", "pipeline"})
+IN_LAYERS = frozenset({"tensor", "sequence", "expert"})  # collectives inside a layer's computation
 FULL_REMAT_FACTOR = 4 / 3  # the forward pass again in the backward: 8N against 6N FLOPs a token
 
 
@@ -81,6 +83,16 @@ def matmul_flops(plan: dict) -> float:
     return flops["formula_per_device"] * (FULL_REMAT_FACTOR if plan.get("remat") == "full" else 1.0)
 
 
+def _taken_share(pipeline: dict) -> float:
+    """The share of a pipeline's counted in-layer collectives that run: its executor takes one
+    action a tick through a conditional whose every branch (forward, backward, weight gradient)
+    the HLO count adds, so a stage's count is ticks x (all of them) where it runs microbatches x
+    virtual stages x (all of them). 1 without a pipeline."""
+    if pipeline["stages"] == 1 or not pipeline.get("ticks"):
+        return 1.0
+    return pipeline["microbatches"] * pipeline["virtual_stages"] / pipeline["ticks"]
+
+
 def predict(plan: dict, machine: Machine, dcn: dict[str, int] | None = None) -> Prediction:
     """The predicted step time of a plan (jaxscale.plan.describe's dict) on `machine`."""
     mesh, dcn = plan["mesh"], dcn or {}
@@ -93,12 +105,14 @@ def predict(plan: dict, machine: Machine, dcn: dict[str, int] | None = None) -> 
     rows = plan["per_device_bytes"]
     memory = work * (3 * (rows["params"] + rows["opt_state"]) + 2 * rows["temp"]) / machine.memory_bandwidth
     by_axis: dict[str, float] = {}
+    branches = _taken_share(plan["pipeline"])
     for over in plan["collectives_by_axis"].values():
         for axes, row in over.items():
             if axes in ("", "none"):
                 continue
             seconds = row["sent_bytes"] / link_speed(machine, axes, mesh, dcn) + row["count"] * machine.latency_s
-            by_axis[axes] = by_axis.get(axes, 0.0) + seconds
+            share = branches if set(axes.split("+")) & IN_LAYERS else 1.0
+            by_axis[axes] = by_axis.get(axes, 0.0) + share * seconds
     hidden = sum(t for axes, t in by_axis.items() if set(axes.split("+")) <= OVERLAPPED)
     exposed = sum(by_axis.values()) - hidden
     if machine.shared_cores:

@@ -99,14 +99,16 @@ def _too_small(counts: dict[str, int], target: Target) -> str:
             f"{need} devices, activations more; plan for a larger topology")
 
 
-def _picked(ranked, config, target: Target, count: int) -> list[layouts.Layout]:
-    """The `count` best distinct layouts that validate, and pure FSDP over every device."""
-    chosen = []
+def _picked(ranked, config, target: Target, count: int, spread: bool = False) -> list[layouts.Layout]:
+    """The `count` best distinct layouts that validate, pure FSDP over every device, and with
+    `spread` the best of each combination of split axes (one fsdp-and-tensor, one pipelined, ...)."""
+    chosen, families = [], set()
     for _, layout, _ in ranked:
-        if len(chosen) >= count:
-            break
-        if layout not in chosen and _valid(config, layout, target):
+        family = frozenset(axis for axis, size in layout.mesh if size > 1)
+        wanted = len(chosen) < count or (spread and family not in families)
+        if wanted and layout not in chosen and _valid(config, layout, target):
             chosen.append(layout)
+            families.add(family)
     baseline = fsdp_baseline(config, target)
     if baseline not in chosen and _valid(config, baseline, target):
         chosen.append(baseline)
@@ -235,10 +237,12 @@ class Result:
     estimated: int                               # candidates whose arithmetic fit the memory
 
 
-def search(config, target: Target, count: int = 8, budget_s: float = 1200.0, workers: int | None = None) -> Result:
-    """The compiled candidates, ranked, and those that did not compile."""
+def search(config, target: Target, count: int = 8, budget_s: float = 1200.0, workers: int | None = None,
+           spread: bool = False) -> Result:
+    """The compiled candidates, ranked, and those that did not compile; with `spread` also the best
+    estimate of each combination of split axes."""
     ranked = ranked_estimates(config, target)
-    chosen = _picked(ranked, config, target, count)
+    chosen = _picked(ranked, config, target, count, spread)
     compiled, failed = compile_all(config, chosen, target, budget_s, workers)
     rows = [row_of(layout, plan, config, target) for layout, plan in compiled]
     return Result(sorted(rows, key=_rank), failed, len(ranked))
