@@ -19,8 +19,8 @@ import argparse
 import jax
 
 from jaxscale import config as config_lib
+from jaxscale.analysis.step_plan import shard_bytes
 from jaxscale.offload import HOST
-from jaxscale.plan import shard_bytes
 
 import _steps
 

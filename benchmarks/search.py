@@ -82,7 +82,6 @@ def calibrate(args) -> None:
     for path, (overrides, measured_s) in MEASURED_GPU.items():
         config = cli.load_config(str(_common.ROOT / path), overrides + ["mesh.data=1"])
         plan = describe(config, *compile_plan(config, "gpu", devices))
-        plan["remat"] = config.model.remat
         p = cost.predict(plan, ideal)
         if efficiency is None:  # the first (llama_1b) calibrates
             efficiency = p.compute_s / (measured_s - p.memory_s - p.exposed_s)

@@ -1,8 +1,9 @@
 """The layout chosen for you: enumerate, prune by arithmetic, compile the most promising, rank by
 the step-time model.
 
-    rows = search(config, target)            # target: a Target (devices, machine, pod name)
-    print(table(rows, tokens=1e12))
+    target = jaxscale.plan.search_target("v5p-256")     # or None: this host's CPU devices
+    result = search(config, target)                     # ranked rows, and what did not compile
+    print(table(result.rows, target, tokens=1e12))
 
 1. Every layout the model and the devices allow (jaxscale.analysis.layouts.candidates) gets an
    arithmetic estimate: its memory per device and a predicted step time from its FLOPs and the
@@ -148,9 +149,9 @@ def with_overrides(config, overrides: dict):
 
 
 def _compile_one(config, layout: layouts.Layout, topology_name: str | None, count: int) -> dict:
-    """The plan of one layout (jaxscale.plan.describe), compiled for the named topology or this
+    """The plan of one layout (jaxscale.analysis.step_plan.describe), compiled for the named topology or this
     host's first `count` devices; runs in a worker process or in this one."""
-    from jaxscale.plan import compile_plan, describe
+    from jaxscale.analysis.step_plan import compile_plan, describe
 
     devices, platform = jax.devices()[:count], jax.default_backend()
     if topology_name:
@@ -159,11 +160,8 @@ def _compile_one(config, layout: layouts.Layout, topology_name: str | None, coun
         devices, pod = topology.compile_only_devices(topology_name)
         platform = pod.platform
         jax.config.update("jax_enable_compilation_cache", False)
-    overrides = layout.overrides()
-    run, compiled, seconds = compile_plan(with_overrides(config, overrides), platform, devices)
-    plan = describe(config, run, compiled, seconds)
-    plan["remat"] = layout.remat
-    return plan
+    laid = with_overrides(config, layout.overrides())
+    return describe(laid, *compile_plan(laid, platform, devices))
 
 
 def _workers(requested: int | None) -> int:

@@ -1,0 +1,95 @@
+"""The plan of one compiled train step, as a JSON-ready dict: per-device memory in rows that add
+up to the program's peak (beside the state's arithmetic), the collectives by kind and by the mesh
+axes they run over, matmul FLOPs, the pipeline's table. `python -m jaxscale.plan` prints it; the
+layout search prices it (jaxscale.analysis.cost)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jaxscale import state as state_lib
+from jaxscale.analysis import hlo_stats
+from jaxscale.analysis.state_bytes import expected_bytes, param_counts
+from jaxscale.build import build
+from jaxscale.offload import HOST
+
+
+def shard_bytes(tree, memory_kind: str | None = None) -> int:
+    """Bytes one device holds of a tree of sharded ShapeDtypeStructs/arrays (the first device's
+    shard); only the leaves in `memory_kind` memory when given."""
+    def one(x):
+        return math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+    return sum(one(x) for x in jax.tree.leaves(tree)
+               if memory_kind is None or x.sharding.memory_kind == memory_kind)
+
+
+def compile_plan(config, platform: str, devices=None):
+    """(the run, its train step compiled for `platform`, compile seconds), allocating nothing."""
+    run = build(config, devices, platform)
+    compiled, seconds = run.compile()
+    return run, compiled, seconds
+
+
+def compiled_bytes(run, compiled) -> dict[str, int]:
+    """Per-device bytes of the compiled train step, in rows that add up to its peak ("total"):
+    the parameters and optimizer state (from the step's own input shardings), the rest of its
+    arguments (the batch, step, key and guard), its temporaries, and the outputs that do not
+    reuse a donated argument's buffer. "grads" is part of the temporaries, not another row: the
+    gradients at the shardings the step constrains them to (ZeRO-2 splits them over data)."""
+    memory = compiled.memory_analysis()
+    state = state_lib.with_shardings(run.abstract_state, compiled.input_shardings[0][0])
+    params, opt_state = shard_bytes(state.params), shard_bytes(state.opt_state)
+    grads = state_lib.with_shardings(run.abstract_state.params, run.step_spec.grad_shardings)
+    rows = {"params": params, "opt_state": opt_state,
+            "other_args": memory.argument_size_in_bytes - params - opt_state,
+            "temp": memory.temp_size_in_bytes,
+            "outputs": memory.output_size_in_bytes - memory.alias_size_in_bytes}
+    return {**rows, "total": sum(rows.values()), "grads": shard_bytes(grads)}
+
+
+def _pipeline_summary(run) -> dict:
+    """The schedule's table, summarised: bubble and microbatches in flight per stage (both from
+    the table the step runs), and its drawing (stages x ticks, F B W or . per tick)."""
+    strategy = run.model.spec.strategy
+    if strategy.pipeline == "none":
+        return {"stages": 1, "schedule": None, "microbatches": None, "virtual_stages": None, "bubble_fraction": 0.0}
+    table = strategy.table()
+    return {"stages": table.stages, "schedule": strategy.pipeline, "microbatches": table.microbatches,
+            "virtual_stages": table.virtual, "ticks": table.ticks, "bubble_fraction": table.bubble(),
+            "in_flight": table.in_flight().tolist(), "drawing": table.draw()}
+
+
+def describe(config, run, compiled, compile_s: float) -> dict:
+    """The plan of a compiled train step (`compile_plan`'s result) as a JSON-ready dict."""
+    platform = run.platform
+    memory, params = compiled.memory_analysis(), run.abstract_state.params
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    totals = hlo_stats.step_totals(compiled.as_text())
+    per_device = compiled_bytes(run, compiled)
+    state = run.abstract_state
+    return {"mesh": dict(run.layout.mesh.shape), "zero_stage": run.layout.zero_stage, "remat": config.model.remat,
+            "pipeline": _pipeline_summary(run),
+            "platform": platform, "compute_dtype": str(run.step_spec.dtype),
+            "num_params": n_params, "compile_s": round(compile_s, 2), "per_device_bytes": per_device,
+            "argument_bytes": memory.argument_size_in_bytes,
+            "compiled_bytes": {"argument": memory.argument_size_in_bytes, "output": memory.output_size_in_bytes,
+                               "temp": memory.temp_size_in_bytes, "alias": memory.alias_size_in_bytes,
+                               "code": memory.generated_code_size_in_bytes},
+            "host_bytes": {"params": shard_bytes(state.params, HOST), "opt_state": shard_bytes(state.opt_state, HOST)},
+            "expected_bytes": expected_bytes(param_counts(run.model), run.layout.mesh.shape, run.layout.zero_stage),
+            "collectives": totals.collectives, "collectives_by_axis": totals.by_axis(run.layout.mesh.shape),
+            "flops": _flops(run, None if totals.convolutions else totals.dot_flops, config),
+            "notes": list(run.notes)}
+
+
+def _flops(run, compiled_flops: int | None, config) -> dict:
+    """Matmul FLOPs per device per step: the compiled program's (loops multiplied, remat's
+    recompute included) beside the PaLM formula's share of one device; their ratio shows
+    recomputation and work repeated across devices. None where the program writes its matmuls
+    as convolutions (the TPU compiler), which the count does not read."""
+    formula = run.flops_per_token * config.train.global_batch_size * config.train.seq_len / run.layout.mesh.size
+    return {"compiled_per_device": compiled_flops, "formula_per_device": formula,
+            "ratio": compiled_flops / formula if formula and compiled_flops is not None else None}
