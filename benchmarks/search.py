@@ -56,13 +56,14 @@ def cpu(args) -> None:
     measured = _steps.interleaved(steppers, args.rounds)
     names = list(steppers)
     predicted = {r.layout.describe(): r.prediction.step_s for r in rows}
-    rho = _spearman([predicted[n] for n in names], [measured[n] for n in names])
+    rho = _spearman([predicted[n] for n in names], [measured[n] for n in names]) if len(names) > 1 else None
     fastest = min(measured.values())
     lines = ["| rank | layout | predicted ms | measured ms |", "|---:|---|---:|---:|"]
     lines += [f"| {i} | {n} | {predicted[n] * 1e3:.1f} | {measured[n] * 1e3:.1f} |" for i, n in enumerate(names, 1)]
     text = _common.entry(
         f"tiny on {jax.device_count()} CPU devices, {len(names)} layouts",
-        "\n".join(lines) + f"\n\nSpearman's rank correlation, predicted against measured: **{rho:.2f}**; the "
+        "\n".join(lines) + "\n\nSpearman's rank correlation, predicted against measured: "
+        f"**{'-' if rho is None else f'{rho:.2f}'}**; the "
         f"layout ranked first measured {measured[names[0]] / fastest:.2f}x the fastest measured "
         f"({len(names)} layouts, median of {args.rounds} rounds of {args.steps} steps each, taking turns).\n"
         + "\n".join(f"Assumed: {a}." for a in target.machine.assumptions) + "\n")
@@ -108,7 +109,7 @@ def main() -> None:
     _common.add_flags(parser)
     args = parser.parse_args()
     if args.smoke:
-        args.compile, args.rounds, args.steps = 2, 1, 1
+        args.compile, args.rounds, args.steps = 1, 1, 1
     if args.calibrate:
         calibrate(args)
         return

@@ -95,13 +95,13 @@ def _check_pipeline(out):
 
 
 def _check_search(out):
-    """--smoke compiles the 2 best candidates and pure FSDP (fsdp=8, when not among them) and
-    steps each once; the rank correlation is over those rows, and the first row is the search's
-    choice."""
+    """--smoke compiles the best candidate and pure FSDP (fsdp=8) and steps each once; the rank
+    correlation is over those rows, and the first row is the search's choice."""
     rows = out["rows"]
-    assert len(rows) in (2, 3) and "fsdp=8 none" in [r["layout"] for r in rows]
+    assert len(rows) in (1, 2) and "fsdp=8 none" in [r["layout"] for r in rows]
     assert all(0 < r["predicted_s"] and 0 < r["measured_s"] < out["test_wall_s"] for r in rows)
-    assert -1 <= out["spearman"] <= 1 and out["first_over_fastest"] == pytest.approx(
+    assert (out["spearman"] is None if len(rows) == 1 else -1 <= out["spearman"] <= 1)
+    assert out["first_over_fastest"] == pytest.approx(
         rows[0]["measured_s"] / min(r["measured_s"] for r in rows))
 
 

@@ -86,9 +86,9 @@ def test_a_topology_too_small_for_the_model_says_how_many_devices_it_needs():
 
 @pytest.fixture(scope="module")
 def chosen(tmp_path_factory):
-    """tiny's search on the 8 fake devices, 3 candidates compiled, the best written as JSON."""
+    """tiny's search on the 8 fake devices, 2 candidates and pure FSDP compiled, the best written as JSON."""
     path = tmp_path_factory.mktemp("search") / "best.json"
-    result = main_cli([f"--config={TINY}", "--config.train.global_batch_size=16", "--search", "--compile=3",
+    result = main_cli([f"--config={TINY}", "--config.train.global_batch_size=16", "--search", "--compile=2",
                        "--workers=1", f"--write={path}", "--tokens=1e9"], module="jaxscale.plan")
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(path.read_text()), result.stdout
@@ -100,7 +100,7 @@ def test_the_search_prints_a_ranked_table_and_the_command(chosen):
     assert lines[0].startswith("search: ") and "compiled for cpu x8 (8 devices)" in lines[0]
     ranked = [line for line in lines if line[:2].strip().isdigit()]
     steps = [float(line[len(line.split("  ")[0]):].split()[2]) for line in ranked]  # the step ms column
-    assert len(ranked) >= 3 and steps == sorted(steps), out
+    assert len(ranked) >= 2 and steps == sorted(steps), out
     flags = " ".join(f"--config.{k}={v!r}" if isinstance(v, str) else f"--config.{k}={v}" for k, v in overrides.items())
     assert lines[-1] == f"best: python -m jaxscale.train --config={TINY} {flags}"
 

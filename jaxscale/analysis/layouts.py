@@ -138,7 +138,8 @@ def estimate(config, layout: Layout, counts: dict[str, int], flops_per_token: fl
                       "formula_per_device": flops_per_token * tokens / math.prod(s.values())},
             "per_device_bytes": {"params": state["params"], "opt_state": state["opt_state"],
                                  "temp": activations * in_flight + state["grads"]},
-            "collectives_by_axis": {"estimate": _collectives(config, layout, micro * t.grad_accum_steps, model_bytes)}}
+            "collectives_by_axis": {"estimate": _collectives(config, layout, tokens / batch / s["sequence"],
+                                                             model_bytes)}}
 
 
 def _saved_per_token(m, remat: str, tensor: int) -> float:
@@ -153,16 +154,17 @@ def _saved_per_token(m, remat: str, tensor: int) -> float:
 
 
 def _collectives(config, layout: Layout, tokens: float, model_bytes: float) -> dict[str, dict[str, float]]:
-    """{mesh axis: {"count", "sent_bytes"}} a device runs a step, by ring arithmetic: weights
-    gathered twice and gradients reduce-scattered over fsdp (and over data at ZeRO-3; gradients
-    all-reduced over data below it), two all-reduces of the activations a layer forward and two
-    backward over tensor (three each with full remat), K and V passed round the sequence ring
-    (forward, and twice backward), tokens to experts and back over expert, and each microbatch's
-    activations and gradients between pipeline stages."""
+    """{mesh axis: {"count", "sent_bytes"}} a device runs a step (`tokens`: its tokens a step), by
+    ring arithmetic: weights gathered twice and gradients reduce-scattered over fsdp (and over
+    data at ZeRO-3; gradients all-reduced over data below it), two all-reduces of the activations a
+    layer forward and two backward over tensor (three each with full remat), K and V passed round
+    the sequence ring (forward, and twice backward), tokens to experts and back over expert, and
+    each microbatch's activations and gradients between pipeline stages."""
     m, s = config.model, layout.sizes
     width = 4 if m.dtype == "float32" else 2
     layers = m.num_layers / s["pipeline"]
-    act = tokens / s["sequence"] * m.d_model * width  # a device's activations of one layer, whole batch
+    act = tokens * m.d_model * width  # a device's activations of one layer, its whole batch of a step
+    chunks = layout.microbatches * config.train.grad_accum_steps  # in-layer collectives run per chunk
     rows = {}
 
     def ring(n: int) -> float:
@@ -176,16 +178,17 @@ def _collectives(config, layout: Layout, tokens: float, model_bytes: float) -> d
         rows["data"] = {"count": passes * layers, "sent_bytes": passes * shard * ring(s["data"])}
     if s["tensor"] > 1:
         passes = 6 if layout.remat == "full" else 4
-        rows["tensor"] = {"count": passes * layers, "sent_bytes": passes * layers * 2 * act * ring(s["tensor"])}
+        rows["tensor"] = {"count": passes * layers * chunks,
+                          "sent_bytes": passes * layers * 2 * act * ring(s["tensor"])}
     if s["sequence"] > 1:
         kv = act * 2 * m.num_kv_heads / m.num_heads
-        rows["sequence"] = {"count": 3 * layers * (s["sequence"] - 1),
+        rows["sequence"] = {"count": 3 * layers * (s["sequence"] - 1) * chunks,
                             "sent_bytes": 3 * layers * kv * (s["sequence"] - 1)}
     if s["expert"] > 1:
         moe_layers = layers / max(1, m.moe.every_n_layers)
-        rows["expert"] = {"count": 4 * moe_layers,
+        rows["expert"] = {"count": 4 * moe_layers * chunks,
                           "sent_bytes": 4 * moe_layers * act * m.moe.top_k * ring(s["expert"])}
     if s["pipeline"] > 1:
         rows["pipeline"] = {"count": 2 * layout.microbatches * layout.virtual,
                             "sent_bytes": 2 * act * layout.virtual}
-    return {axis: row for axis, row in rows.items()}
+    return rows
