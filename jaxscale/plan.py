@@ -24,6 +24,7 @@ from jaxscale import cli
 from jaxscale.analysis import hlo_stats, topology
 from jaxscale.analysis.step_plan import compile_plan, describe
 from jaxscale.errors import ConfigError
+from jaxscale.tracking.fields import flat_config
 
 USAGE = ("usage: python -m jaxscale.plan --config=PATH [--config.section.key=value ...] [--json] [--hlo=FILE] "
          "[--device_memory_gb=GB] [--platform=cpu|gpu|tpu "
@@ -195,18 +196,12 @@ def _search(config, path: str, flags: dict) -> None:
     for layout, why in result.failed:
         print(f"not compiled: {layout.describe()}: {why}", file=sys.stderr)
     best = search.best_overrides(rows)
-    changed = {k: v for k, v in best.items() if _current(config, k) != v}
+    current = flat_config(config)
+    changed = {k: v for k, v in best.items() if current[k] != v}
     if flags.get("write"):
         with open(flags["write"], "w") as file:
             json.dump(changed, file, indent=2)
     print("best: " + search.command_line(path, changed), file=sys.stderr if flags.get("json") else sys.stdout)
-
-
-def _current(config, key: str):
-    node = config
-    for part in key.split("."):
-        node = node[part]
-    return node
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 OVERLAPPED = frozenset({"data", "fsdp", "pipeline"})
 IN_LAYERS = frozenset({"tensor", "sequence", "expert"})  # collectives inside a layer's computation
@@ -96,10 +97,7 @@ def _taken_share(pipeline: dict) -> float:
 def predict(plan: dict, machine: Machine, dcn: dict[str, int] | None = None) -> Prediction:
     """The predicted step time of a plan (jaxscale.plan.describe's dict) on `machine`."""
     mesh, dcn = plan["mesh"], dcn or {}
-    devices = 1
-    for size in mesh.values():
-        devices *= size
-    work = devices if machine.shared_cores else 1
+    work = math.prod(mesh.values()) if machine.shared_cores else 1
     bubble = plan["pipeline"]["bubble_fraction"]
     compute = work * matmul_flops(plan) / (machine.peak_flops * machine.efficiency) / (1 - bubble)
     rows = plan["per_device_bytes"]

@@ -139,7 +139,7 @@ def estimate(config, layout: Layout, counts: dict[str, int], flops_per_token: fl
             "per_device_bytes": {"params": state["params"], "opt_state": state["opt_state"],
                                  "temp": activations * in_flight + state["grads"]},
             "collectives_by_axis": {"estimate": _collectives(config, layout, tokens / batch / s["sequence"],
-                                                             model_bytes)}}
+                                                             model_bytes, width)}}
 
 
 def _saved_per_token(m, remat: str, tensor: int) -> float:
@@ -153,15 +153,16 @@ def _saved_per_token(m, remat: str, tensor: int) -> float:
     return (4 * m.d_model + kv + 4 * m.d_ff) / tensor + 4 * m.d_model
 
 
-def _collectives(config, layout: Layout, tokens: float, model_bytes: float) -> dict[str, dict[str, float]]:
-    """{mesh axis: {"count", "sent_bytes"}} a device runs a step (`tokens`: its tokens a step), by
-    ring arithmetic: weights gathered twice and gradients reduce-scattered over fsdp (and over
-    data at ZeRO-3; gradients all-reduced over data below it), two all-reduces of the activations a
-    layer forward and two backward over tensor (three each with full remat), K and V passed round
-    the sequence ring (forward, and twice backward), tokens to experts and back over expert, and
-    each microbatch's activations and gradients between pipeline stages."""
+def _collectives(config, layout: Layout, tokens: float, model_bytes: float,
+                 width: int) -> dict[str, dict[str, float]]:
+    """{mesh axis: {"count", "sent_bytes"}} a device runs a step (`tokens`: its tokens a step;
+    `width`: the bytes of an element), by ring arithmetic: weights gathered twice and gradients
+    reduce-scattered over fsdp (and over data at ZeRO-3; gradients all-reduced over data below
+    it), two all-reduces of the activations a layer forward and two backward over tensor (three
+    each with full remat), K and V passed round the sequence ring (forward, and twice backward),
+    tokens to experts and back over expert, and each microbatch's activations and gradients
+    between pipeline stages."""
     m, s = config.model, layout.sizes
-    width = 4 if m.dtype == "float32" else 2
     layers = m.num_layers / s["pipeline"]
     act = tokens * m.d_model * width  # a device's activations of one layer, its whole batch of a step
     chunks = layout.microbatches * config.train.grad_accum_steps  # in-layer collectives run per chunk
