@@ -50,10 +50,15 @@ def stepper(config, steps: int = 1) -> Stepper:
     return Stepper(run, timed, compiled, live)
 
 
-def interleaved(steppers: dict, rounds: int) -> dict:
-    """Median of the timed calls per key over `rounds` rounds."""
+def interleaved_rounds(steppers: dict, rounds: int) -> dict[str, list[float]]:
+    """Each key's timed calls, one a round, over `rounds` rounds in which every key takes its turn."""
     times = {key: [] for key in steppers}
     for _ in range(rounds):
         for key, timed in steppers.items():
             times[key].append(timed())
-    return {key: statistics.median(t) for key, t in times.items()}
+    return times
+
+
+def interleaved(steppers: dict, rounds: int) -> dict:
+    """Median of the timed calls per key over `rounds` rounds."""
+    return {key: statistics.median(t) for key, t in interleaved_rounds(steppers, rounds).items()}

@@ -1,14 +1,16 @@
 """The layout search's step-time model against measured steps, and its calibration on GPU numbers.
 
-    python benchmarks/search.py [--compile=10] [--rounds=5] [--append]      # tiny, 8 fake CPU devices
+    python benchmarks/search.py [--compile=1] [--rounds=11] [--append]      # tiny, 8 fake CPU devices
     JAX_PLATFORMS=cpu PYTHONPATH=.venv/gpu-plan python benchmarks/search.py --calibrate [--append]
 
 Default: `plan --search --spread` for configs/tiny.py on this host's 8 fake CPU devices compiles
-its `--compile` best candidates, the best of each combination of split axes, and pure FSDP; each
-is then built, compiled with the CLI's XLA flags and stepped, all taking turns for `--rounds`
-rounds. Reported: the predicted and measured
-step of each, Spearman's rank correlation between the two, and the measured step of the layout
-the search ranks first against the fastest measured.
+its `--compile` best candidates, the best of each combination of split axes (distinct layouts:
+variants that differ only in a ZeRO stage run nearly the same program, whose order is noise), and
+pure FSDP; each is then built, compiled with the CLI's XLA flags and stepped, all taking turns for
+`--rounds` rounds. Reported: the predicted and measured step of each, Spearman's rank correlation
+between the two, the same correlation between the medians of the odd and the even rounds (how
+well the measurement agrees with itself: the most any model can reach), and the measured step of
+the layout the search ranks first against the fastest measured.
 
 --calibrate: llama_1b (batch 8, seq 2048, dots_saveable) and gpt2_124m (batch 16, seq 2048)
 compiled for one H200 by XLA's GPU compiler; the matmul efficiency that makes the model predict
@@ -21,6 +23,7 @@ import _common
 
 import argparse
 import dataclasses
+import statistics
 
 SMOKE = ["train.global_batch_size=8", "train.seq_len=32", "model.d_model=64", "model.d_ff=128"]
 MEASURED_GPU = {"configs/llama_1b.py": (["train.global_batch_size=8", "train.seq_len=2048",
@@ -53,23 +56,28 @@ def cpu(args) -> None:
     for row in rows:
         layout = search.with_overrides(config, row.layout.overrides())
         steppers[row.layout.describe()] = _steps.stepper(layout, steps=args.steps).timed
-    measured = _steps.interleaved(steppers, args.rounds)
+    rounds = _steps.interleaved_rounds(steppers, args.rounds)
+    measured = {n: statistics.median(t) for n, t in rounds.items()}
     names = list(steppers)
     predicted = {r.layout.describe(): r.prediction.step_s for r in rows}
     rho = _spearman([predicted[n] for n in names], [measured[n] for n in names]) if len(names) > 1 else None
+    itself = None  # the odd rounds' medians against the even rounds'
+    if len(names) > 1 and args.rounds > 1:
+        itself = _spearman(*([statistics.median(rounds[n][start::2]) for n in names] for start in (0, 1)))
     fastest = min(measured.values())
     lines = ["| rank | layout | predicted ms | measured ms |", "|---:|---|---:|---:|"]
     lines += [f"| {i} | {n} | {predicted[n] * 1e3:.1f} | {measured[n] * 1e3:.1f} |" for i, n in enumerate(names, 1)]
     text = _common.entry(
-        f"tiny on {jax.device_count()} CPU devices, {len(names)} layouts",
+        f"tiny on {jax.device_count()} CPU devices",
         "\n".join(lines) + "\n\nSpearman's rank correlation, predicted against measured: "
-        f"**{'-' if rho is None else f'{rho:.2f}'}**; the "
+        f"**{'-' if rho is None else f'{rho:.2f}'}** (the odd rounds' medians against the even rounds': "
+        f"{'-' if itself is None else f'{itself:.2f}'}); the "
         f"layout ranked first measured {measured[names[0]] / fastest:.2f}x the fastest measured "
         f"({len(names)} layouts, median of {args.rounds} rounds of {args.steps} steps each, taking turns).\n"
         + "\n".join(f"Assumed: {a}." for a in target.machine.assumptions) + "\n")
     _common.report(args, text, {"benchmark": "search", "rows": [
         {"layout": n, "predicted_s": predicted[n], "measured_s": measured[n]} for n in names],
-        "spearman": rho, "first_over_fastest": measured[names[0]] / fastest})
+        "spearman": rho, "odd_against_even_rounds": itself, "first_over_fastest": measured[names[0]] / fastest})
 
 
 def calibrate(args) -> None:
@@ -102,8 +110,9 @@ def calibrate(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--compile", type=int, default=10, help="candidates the search compiles")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--compile", type=int, default=1, help="best candidates the search compiles (beside "
+                        "the best of each combination of split axes)")
+    parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--steps", type=int, default=3, help="steps a timed call")
     parser.add_argument("--calibrate", action="store_true", help="the GPU calibration instead")
     _common.add_flags(parser)

@@ -101,6 +101,7 @@ def _check_search(out):
     assert len(rows) in (1, 2) and "fsdp=8 none" in [r["layout"] for r in rows]
     assert all(0 < r["predicted_s"] and 0 < r["measured_s"] < out["test_wall_s"] for r in rows)
     assert (out["spearman"] is None if len(rows) == 1 else -1 <= out["spearman"] <= 1)
+    assert out["odd_against_even_rounds"] is None  # one round: no halves to compare
     assert out["first_over_fastest"] == pytest.approx(
         rows[0]["measured_s"] / min(r["measured_s"] for r in rows))
 

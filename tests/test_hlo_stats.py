@@ -10,6 +10,7 @@ from jaxscale.analysis.hlo_stats import (
     COLLECTIVES,
     collective_stats,
     collective_stats_detail,
+    step_totals,
     summarize,
 )
 
@@ -259,6 +260,16 @@ def test_calls_branches_and_reachability():
               "%c2 = f32[16]{0} call(%p), to_apply=%called"))
     # Both branches count (upper bound); a computation called twice counts twice; orphan never.
     assert counts(collective_stats(text)) == {"all-reduce": 2, "all-gather": 2}
+    # The expected run: each of the two branches half the time; calls are not branches.
+    expected = step_totals(text, expected=True).collectives
+    assert expected["all-reduce"] == {"count": 1, "bytes": 64} and expected["all-gather"]["count"] == 2
+    # A conditional in a named scope with shares given runs branch i shares[i] times.
+    scoped = text.replace("branch_computations={%b0, %b1}",
+                          'branch_computations={%b1, %called}, metadata={op_name="jit(f)/acts/cond"}')
+    expected = step_totals(scoped, expected=True, shares={"acts": (0.25, 0.5)}).collectives
+    assert expected["all-reduce"]["count"] == 0.25 and expected["all-gather"]["count"] == 2.5
+    with pytest.raises(ValueError, match="3 shares"):
+        step_totals(scoped, expected=True, shares={"acts": (0.2, 0.3, 0.5)})
 
 
 def test_errors_are_value_errors():

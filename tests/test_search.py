@@ -1,6 +1,7 @@
 """The layout search: the candidates it considers, the step-time model's arithmetic, a refusal, and
 its written choice trained (on 8 fake CPU devices, equal to one device) and shown in a notebook."""
 
+import dataclasses
 import json
 
 import jax
@@ -53,7 +54,7 @@ def test_the_step_time_model_by_hand():
     (3 x 3 GB state + 2 x 5 GB temporaries) / 2 TB/s is 9.5 ms; 40 GB over data crosses hosts at
     50 GB/s (0.8 s, hidden under compute); 8 GB over tensor stays in a host at 400 GB/s (20 ms,
     exposed), plus 10 us for each of 100 collectives. A pipeline's 20% bubble stretches compute
-    by 1/0.8."""
+    by 1/0.8, and its recomputed forward by 4/3."""
     mesh = {"data": 2, "pipeline": 1, "fsdp": 1, "expert": 1, "sequence": 1, "tensor": 8}
     rows = {"data": {"count": 100, "sent_bytes": 40e9}, "tensor": {"count": 100, "sent_bytes": 8e9}}
     got = cost.predict(_plan(mesh, rows), MACHINE, {"data": 2})
@@ -64,11 +65,18 @@ def test_the_step_time_model_by_hand():
     slow = cost.predict(_plan(mesh, {"data": {"count": 1, "sent_bytes": 200e9}}), MACHINE, {"data": 2})
     assert slow.step_s == pytest.approx(4.0 + 1e-5 + 9.5e-3)  # hidden no longer: the collective is the longer
     piped = _plan(mesh, {"tensor": {"count": 100, "sent_bytes": 8e9}}, stages=2, bubble=0.2)
-    piped["pipeline"].update(ticks=10, microbatches=4, virtual_stages=1)
+    # what the step is expected to run (its executor's branches by their share) is what is priced
+    piped["expected"] = {"dot_flops": 3e15, "collectives_by_axis": {"all-gather": {
+        "tensor": {"count": 40, "sent_bytes": 3.2e9}}}}
     got = cost.predict(piped, MACHINE)
-    assert got.compute_s == pytest.approx(2.5)
-    # the executor takes 1 of its branches a tick: 4 microbatches' worth of the 10 ticks' count run
+    # a stage's share of the formula, its forward again (stages are rematerialised), over the ticks not idle
+    assert got.compute_s == pytest.approx(2.0 * 4 / 3 / 0.8)
     assert got.exposed_s == pytest.approx(0.4 * (0.02 + 1e-3))
+    # Sixteen virtual devices on one host's cores: their work adds up and an idle tick costs
+    # nothing (the expected 3 PFLOP each), nothing overlaps.
+    got = cost.predict(piped, dataclasses.replace(MACHINE, shared_cores=True))
+    assert got.compute_s == pytest.approx(16 * 6.0) and got.memory_s == pytest.approx(16 * 9.5e-3)
+    assert got.step_s == pytest.approx(got.compute_s + got.memory_s + 0.4 * 0.021)
     # sixteen tensor ranks cannot stay in a host of 8: their link is the slow one
     assert cost.link_speed(MACHINE, "tensor", {**mesh, "data": 1, "tensor": 16}, {}) == MACHINE.slow
     assert cost.link_speed(MACHINE, "data+tensor", mesh, {}) == MACHINE.slow

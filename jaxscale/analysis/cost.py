@@ -4,20 +4,24 @@
                 (with the collectives the compiler can hide under compute taking the larger of the two)
 
 - compute: the step's matmul FLOPs per device (read from the compiled program where the compiler
-  writes dots; the PaLM formula, x 4/3 under full remat, where it writes convolutions, as the TPU
-  compiler does) at the machine's peak times a stated efficiency;
+  writes dots, each conditional's branches by their share; the PaLM formula, x 4/3 under full
+  remat or in a pipeline, where it writes convolutions, as the TPU compiler does) at the
+  machine's peak times a stated efficiency;
 - bubble: the pipeline schedule's idle share of stage-ticks, from the table the step runs;
 - memory: what is bound by memory bandwidth rather than matmuls: the optimizer's update, three
   passes over the state's bytes (read parameters and moments, write them back), and the step's
   temporaries (saved activations, gradients) written once and read once;
 - collectives: for each mesh axis group, the bytes each device sends (ring arithmetic, from the
-  compiled HLO) over the slowest link the group crosses, plus a latency per collective (in a
-  pipeline, the in-layer collectives of the one branch its executor takes a tick).
+  compiled HLO) over the slowest link the group crosses, plus a latency per collective; a
+  conditional's collectives count by its branches' share (a pipeline executor runs one of its
+  idle, forward, backward and weight-gradient branches a tick).
   Collectives over data, fsdp and pipeline (weight gathers, gradient reductions, stage sends)
   run beside compute under XLA's latency-hiding scheduler: their time counts only past the
   compute's. Collectives over tensor, sequence and expert sit between the matmuls that need
   them and are exposed. Where several virtual devices share one host's cores (CPU), nothing
-  overlaps and the devices' compute adds up (the pipeline's ticks still wait for each other).
+  overlaps and the devices' work adds up: the work each runs (a pipeline's idle ticks free the
+  cores, so no bubble), and a collective's latency is what its rendezvous of the devices' threads
+  costs inside a program.
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ import dataclasses
 import math
 
 OVERLAPPED = frozenset({"data", "fsdp", "pipeline"})
-IN_LAYERS = frozenset({"tensor", "sequence", "expert"})  # collectives inside a layer's computation
 FULL_REMAT_FACTOR = 4 / 3  # the forward pass again in the backward: 8N against 6N FLOPs a token
 
 
@@ -74,24 +77,18 @@ def link_speed(machine: Machine, axes: str, mesh: dict[str, int], dcn: dict[str,
     return machine.fast
 
 
-def matmul_flops(plan: dict) -> float:
-    """Matmul FLOPs per device per step: the compiled program's, or the formula's (x 4/3 with full
-    remat) where the compiler writes its matmuls as convolutions, and in a pipeline (its executor
-    runs one branch of a conditional a tick, and the HLO count adds every branch)."""
+def matmul_flops(plan: dict, shared_cores: bool = False) -> float:
+    """Matmul FLOPs per device per step: the compiled program's expected run (a conditional's
+    branches by their share) where the compiler writes dots; the formula's (x 4/3 with full remat
+    and in a pipeline, whose stages are rematerialised whole) where it writes convolutions (the
+    TPU compiler), for an estimate, and in a pipeline on devices that run in parallel, whose step
+    is a stage's work over the ticks that are not bubble."""
     flops = plan["flops"]
-    if flops["compiled_per_device"] is not None and plan["pipeline"]["stages"] == 1:
-        return flops["compiled_per_device"]
-    return flops["formula_per_device"] * (FULL_REMAT_FACTOR if plan.get("remat") == "full" else 1.0)
-
-
-def _taken_share(pipeline: dict) -> float:
-    """The share of a pipeline's counted in-layer collectives that run: its executor takes one
-    action a tick through a conditional whose every branch (forward, backward, weight gradient)
-    the HLO count adds, so a stage's count is ticks x (all of them) where it runs microbatches x
-    virtual stages x (all of them). 1 without a pipeline."""
-    if pipeline["stages"] == 1 or not pipeline.get("ticks"):
-        return 1.0
-    return pipeline["microbatches"] * pipeline["virtual_stages"] / pipeline["ticks"]
+    compiled = plan.get("expected", {}).get("dot_flops", flops["compiled_per_device"])
+    if compiled is not None and (shared_cores or plan["pipeline"]["stages"] == 1):
+        return compiled
+    recomputed = plan.get("remat") == "full" or plan["pipeline"]["stages"] > 1  # a stage is rematerialised whole
+    return flops["formula_per_device"] * (FULL_REMAT_FACTOR if recomputed else 1.0)
 
 
 def predict(plan: dict, machine: Machine, dcn: dict[str, int] | None = None) -> Prediction:
@@ -99,18 +96,17 @@ def predict(plan: dict, machine: Machine, dcn: dict[str, int] | None = None) -> 
     mesh, dcn = plan["mesh"], dcn or {}
     work = math.prod(mesh.values()) if machine.shared_cores else 1
     bubble = plan["pipeline"]["bubble_fraction"]
-    compute = work * matmul_flops(plan) / (machine.peak_flops * machine.efficiency) / (1 - bubble)
+    idle = 1.0 if machine.shared_cores else 1 - bubble  # shared cores: an idle stage's tick frees them
+    compute = work * matmul_flops(plan, machine.shared_cores) / (machine.peak_flops * machine.efficiency) / idle
     rows = plan["per_device_bytes"]
     memory = work * (3 * (rows["params"] + rows["opt_state"]) + 2 * rows["temp"]) / machine.memory_bandwidth
     by_axis: dict[str, float] = {}
-    branches = _taken_share(plan["pipeline"])
-    for over in plan["collectives_by_axis"].values():
+    for over in plan.get("expected", plan)["collectives_by_axis"].values():
         for axes, row in over.items():
             if axes in ("", "none"):
                 continue
             seconds = row["sent_bytes"] / link_speed(machine, axes, mesh, dcn) + row["count"] * machine.latency_s
-            share = branches if set(axes.split("+")) & IN_LAYERS else 1.0
-            by_axis[axes] = by_axis.get(axes, 0.0) + share * seconds
+            by_axis[axes] = by_axis.get(axes, 0.0) + seconds
     hidden = sum(t for axes, t in by_axis.items() if set(axes.split("+")) <= OVERLAPPED)
     exposed = sum(by_axis.values()) - hidden
     if machine.shared_cores:

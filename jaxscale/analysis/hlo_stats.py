@@ -22,7 +22,11 @@ Counting rules (the contract every function here follows):
 * ``calls=``, ``to_apply=``, ``branch_computations=``, ``true_computation=``,
   ``false_computation=`` and ``called_computations=`` callees run once per run of
   their caller. Every branch of a conditional is counted: an upper bound, since
-  the HLO text cannot say which branch is taken.
+  the HLO text cannot say which branch is taken. ``step_totals(text, expected=True)``
+  counts each of a conditional's n branches 1/n times instead: the expected run
+  when every branch is as likely (a causal block's skip), or, for a conditional made
+  directly in a name scope named in ``shares``, branch i shares[scope][i] times (a
+  pipeline executor's switch, whose shares its schedule's table knows).
 * An instruction whose attributes break over lines (a Pallas kernel's metadata) is one line.
 * Async collectives count once, at their ``-start``; ``-done`` is skipped.
 * Bytes are those of the collective's result buffers on one device, summed. A ragged
@@ -41,13 +45,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
 from jaxscale.analysis import device_groups
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all", "ragged-all-to-all")
 
 Stats = dict[str, dict[str, int]]
+Shares = Mapping[str, Sequence[float]] | None  # {name scope: each branch's share} (module docstring)
 _AT = "@"  # a collective's key in a computation's totals: kind@device-groups
 
 # Quoted strings (metadata, backend_config JSON) and /*index=N*/ comments: both can
@@ -68,6 +73,8 @@ _CALLEE_ATTR = re.compile(
     r"\b(calls|to_apply|body|condition|true_computation|false_computation"
     r"|branch_computations|called_computations)=(\{[^}]*\}|%?[^\s,{}]+)")
 _CALLEE_NAME = re.compile(r"%?([^\s,{}%]+)")
+_BRANCH_ATTRS = ("true_computation", "false_computation", "branch_computations")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
 @dataclasses.dataclass
@@ -75,7 +82,8 @@ class _Computation:
     """One computation, per single execution of it."""
 
     own: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # kind -> [count, bytes]
-    calls: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (callee, runs per run)
+    # (callee, runs per run, the share of them in the expected run: 1, or a branch's)
+    calls: list[tuple[str, int, float]] = dataclasses.field(default_factory=list)
     loops: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (body, condition), no trip count
     unknown_loops: int = 0
     constants: dict[str, int] = dataclasses.field(default_factory=dict)  # integer scalar constants by name
@@ -134,11 +142,21 @@ class StepTotals:
         return table
 
 
-def step_totals(hlo_text: str) -> StepTotals:
-    """Collectives (by kind and by device groups), unknown loops and matmul FLOPs from one parse."""
-    computations, entry = _parse_module(hlo_text)
+def step_totals(hlo_text: str, expected: bool = False, shares: Shares = None) -> StepTotals:
+    """Collectives (by kind and by device groups), unknown loops and matmul FLOPs from one parse;
+    with `expected`, a conditional's branches weighted by their share (module docstring)."""
+    return _step_totals(*_parse_module(hlo_text, shares or {}), expected)
+
+
+def bound_and_expected(hlo_text: str, shares: Shares = None) -> tuple[StepTotals, StepTotals]:
+    """`step_totals` with every branch counted, and with the expected branch, from one parse."""
+    computations, entry = _parse_module(hlo_text, shares or {})
+    return _step_totals(computations, entry, False), _step_totals(computations, entry, True)
+
+
+def _step_totals(computations: dict[str, _Computation], entry: str, expected: bool) -> StepTotals:
     memo: dict[str, dict[str, list[int]]] = {}
-    totals = _totals(entry, computations, memo, set())
+    totals = _totals(entry, computations, memo, set(), expected)
     # memo holds exactly the computations reachable from ENTRY.
     unknown = sum(computations[name].unknown_loops for name in memo)
     by_groups = {tuple(key.split(_AT, 1)): acc for key, acc in totals.items() if _AT in key}
@@ -167,7 +185,7 @@ def summarize(stats: Mapping[str, Mapping[str, int]]) -> str:
     return "\n".join(rows)
 
 
-def _parse_module(hlo_text: str) -> tuple[dict[str, _Computation], str]:
+def _parse_module(hlo_text: str, shares: Mapping[str, Sequence[float]]) -> tuple[dict[str, _Computation], str]:
     """Split the module into computations; returns them by name and the ENTRY's name."""
     computations: dict[str, _Computation] = {}
     entry: str | None = None
@@ -183,7 +201,7 @@ def _parse_module(hlo_text: str) -> tuple[dict[str, _Computation], str]:
             # "}" at column 0 closes it, possibly followed by `, execution_thread="..."`.
             current = None
         else:
-            _parse_instruction(line, current, computations)
+            _parse_instruction(line, current, computations, shares)
     if entry is None:
         raise ValueError("no ENTRY computation found in the HLO text")
     for computation in computations.values():
@@ -212,9 +230,9 @@ def _resolve_loops(computation: _Computation, computations: dict[str, _Computati
         trip = computations[condition].bound if condition in computations else None
         if trip is None:  # as if it ran once, and reported
             computation.unknown_loops += 1
-            computation.calls.extend([(body, 1), (condition, 1)])
+            computation.calls.extend([(body, 1, 1.0), (condition, 1, 1.0)])
         else:
-            computation.calls.extend([(body, trip), (condition, trip + 1)])
+            computation.calls.extend([(body, trip, 1.0), (condition, trip + 1, 1.0)])
 
 
 def _header(line: str) -> tuple[bool, str] | None:
@@ -227,7 +245,8 @@ def _header(line: str) -> tuple[bool, str] | None:
     return (bool(match.group(1)), match.group(2)) if match else None
 
 
-def _parse_instruction(line: str, computation: _Computation, computations: dict[str, _Computation]) -> None:
+def _parse_instruction(line: str, computation: _Computation, computations: dict[str, _Computation],
+                       shares: Mapping[str, Sequence[float]]) -> None:
     """Record `line`'s collective, or the computations it calls, into `computation`."""
     code = _STRING_OR_COMMENT.sub(lambda m: '""' if m.group().startswith('"') else "", line)
     head = _INSTRUCTION.match(code)
@@ -266,7 +285,7 @@ def _parse_instruction(line: str, computation: _Computation, computations: dict[
         computation.loops.append((_CALLEE_NAME.findall(callees["body"])[0],
                                   _CALLEE_NAME.findall(callees["condition"])[0]))
         return
-    computation.calls.extend(_callees(rest, trip))
+    computation.calls.extend(_callees(rest, trip, _scoped_shares(line, shares) if opcode == "conditional" else None))
 
 
 def _fused_groups(rest: str, computations: dict[str, _Computation]) -> str:
@@ -323,16 +342,35 @@ def _trip_count(line: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def _callees(attributes: str, trip: int | None) -> Iterator[tuple[str, int]]:
-    """(computation, runs per run of the caller) for each callee named in `attributes`."""
-    for attr, value in _CALLEE_ATTR.findall(attributes):
+def _scoped_shares(line: str, shares: Mapping[str, Sequence[float]]) -> Sequence[float] | None:
+    """The branch shares of a conditional made directly in one of `shares`' scopes (its op_name
+    ends in scope/op; conditionals inside its branches are not it)."""
+    op_name = _OP_NAME.search(line)
+    parts = op_name.group(1).split("/") if op_name else []
+    return shares.get(parts[-2]) if len(parts) >= 2 else None
+
+
+def _callees(attributes: str, trip: int | None,
+             branch_shares: Sequence[float] | None = None) -> Iterator[tuple[str, int, float]]:
+    """(computation, runs per run of the caller, their share in the expected run) for each callee
+    named in `attributes`: a branch's share is 1/branches, or its entry in `branch_shares`."""
+    found = _CALLEE_ATTR.findall(attributes)
+    branches = [name for attr, value in found if attr in _BRANCH_ATTRS for name in _CALLEE_NAME.findall(value)]
+    if branch_shares is not None and len(branch_shares) != len(branches):
+        raise ValueError(f"{len(branch_shares)} shares given for a conditional of {len(branches)} branches")
+    position = 0  # of the branch, in the conditional's order
+    for attr, value in found:
         runs = 1
         if attr == "body" and trip is not None:
             runs = trip
         elif attr == "condition" and trip is not None:
             runs = trip + 1  # the condition is evaluated once more, to exit
         for name in _CALLEE_NAME.findall(value):
-            yield name, runs
+            share = 1.0
+            if attr in _BRANCH_ATTRS:
+                share = branch_shares[position] if branch_shares is not None else 1 / len(branches)
+                position += 1
+            yield name, runs, share
 
 
 def _first_operand(rest: str, shapes: dict[str, str]) -> str:
@@ -409,9 +447,10 @@ def _element_bits(dtype: str) -> int:
     return int(match.group(1))
 
 
-def _totals(name: str, computations: dict[str, _Computation],
-            memo: dict[str, dict[str, list[int]]], active: set[str]) -> dict[str, list[int]]:
-    """{kind: [count, bytes]} for one run of computation `name`, callees included.
+def _totals(name: str, computations: dict[str, _Computation], memo: dict[str, dict[str, list[int]]],
+            active: set[str], expected: bool = False) -> dict[str, list[int]]:
+    """{kind: [count, bytes]} for one run of computation `name`, callees included (with
+    `expected`, each of n branches 1/n times).
 
     Memoised per computation: a callee shared by several call sites is parsed once
     but counted at every site.
@@ -424,8 +463,9 @@ def _totals(name: str, computations: dict[str, _Computation],
         raise ValueError(f"computation {name!r} is called but not defined in the HLO text")
     active.add(name)
     total = {kind: list(acc) for kind, acc in computations[name].own.items()}
-    for callee, runs in computations[name].calls:
-        for kind, (count, nbytes) in _totals(callee, computations, memo, active).items():
+    for callee, runs, share in computations[name].calls:
+        runs = runs * share if expected else runs
+        for kind, (count, nbytes) in _totals(callee, computations, memo, active, expected).items():
             acc = total.setdefault(kind, [0, 0])
             acc[0] += runs * count
             acc[1] += runs * nbytes

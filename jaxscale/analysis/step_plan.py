@@ -15,6 +15,7 @@ from jaxscale.analysis import hlo_stats
 from jaxscale.analysis.state_bytes import expected_bytes, param_counts
 from jaxscale.build import build
 from jaxscale.offload import HOST
+from jaxscale.parallel import schedules
 
 
 def shard_bytes(tree, memory_kind: str | None = None) -> int:
@@ -62,12 +63,18 @@ def _pipeline_summary(run) -> dict:
             "in_flight": table.in_flight().tolist(), "drawing": table.draw()}
 
 
+def _branch_shares(run) -> dict[str, tuple[float, ...]]:
+    """The pipeline executor's switch runs each action kind for the table's share of its ticks."""
+    strategy = run.model.spec.strategy
+    return {} if strategy.pipeline == "none" else {schedules.ACTIONS: strategy.table().shares()}
+
+
 def describe(config, run, compiled, compile_s: float) -> dict:
     """The plan of a compiled train step (`compile_plan`'s result) as a JSON-ready dict."""
     platform = run.platform
     memory, params = compiled.memory_analysis(), run.abstract_state.params
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-    totals = hlo_stats.step_totals(compiled.as_text())
+    totals, expected = hlo_stats.bound_and_expected(compiled.as_text(), _branch_shares(run))
     per_device = compiled_bytes(run, compiled)
     state = run.abstract_state
     return {"mesh": dict(run.layout.mesh.shape), "zero_stage": run.layout.zero_stage, "remat": config.model.remat,
@@ -82,6 +89,9 @@ def describe(config, run, compiled, compile_s: float) -> dict:
             "expected_bytes": expected_bytes(param_counts(run.model), run.layout.mesh.shape, run.layout.zero_stage),
             "collectives": totals.collectives, "collectives_by_axis": totals.by_axis(run.layout.mesh.shape),
             "flops": _flops(run, None if totals.convolutions else totals.dot_flops, config),
+            # what one step is expected to run: each conditional's branches by their share
+            "expected": {"dot_flops": None if expected.convolutions else expected.dot_flops,
+                         "collectives_by_axis": expected.by_axis(run.layout.mesh.shape)},
             "notes": list(run.notes)}
 
 

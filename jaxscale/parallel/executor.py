@@ -44,7 +44,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jaxscale.parallel import batch_axes, current_mesh, microbatch
-from jaxscale.parallel.schedules import B, F, Table, W
+from jaxscale.parallel.schedules import ACTIONS, B, F, Table, W
 
 AXIS = "pipeline"
 
@@ -261,7 +261,7 @@ def _run_table(the_plan: _Plan, device: _Device, stages: int, split: bool):
     columns = {name: jnp.asarray(getattr(the_plan, name)) for name in
                ("kind", "micro", "chunk", "first", "last", "x_slot", "g_slot", "x_arrives", "g_arrives")}
     branches = [device.idle, device.forward, functools.partial(device.backward, with_weights=not split),
-                device.weight]
+                device.weight]  # in the order of schedules.IDLE, F, B, W
     ahead = [(i, (i + 1) % stages) for i in range(stages)]
     behind = [((i + 1) % stages, i) for i in range(stages)]
 
@@ -269,7 +269,8 @@ def _run_table(the_plan: _Plan, device: _Device, stages: int, split: bool):
         state, x_in, g_in = carry
         a = {name: value[me] for name, value in row.items()}
         state = state._replace(xs=_file(state.xs, a["x_arrives"], x_in), gs=_file(state.gs, a["g_arrives"], g_in))
-        state, (x_out, g_out) = jax.lax.switch(a["kind"], branches, a, state)
+        with jax.named_scope(ACTIONS):  # its branch shares are the table's (jaxscale.analysis.step_plan)
+            state, (x_out, g_out) = jax.lax.switch(a["kind"], branches, a, state)
         return (state, jax.lax.ppermute(x_out, AXIS, ahead), jax.lax.ppermute(g_out, AXIS, behind)), None
 
     zeros = device.zeros

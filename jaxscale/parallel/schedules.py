@@ -26,6 +26,7 @@ import numpy as np
 IDLE, F, B, W = 0, 1, 2, 3
 LETTERS = {IDLE: ".", F: "F", B: "B", W: "W"}
 SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")
+ACTIONS = "pipeline_actions"  # the name scope of the executor's switch over a tick's action kinds
 
 Action = tuple[int, int, int]  # (kind, microbatch, virtual stage)
 
@@ -62,6 +63,10 @@ class Table:
     def bubble(self) -> float:
         """Share of stage-ticks idle, with F, B and W costing one tick each."""
         return float((self.kind == IDLE).mean())
+
+    def shares(self) -> tuple[float, ...]:
+        """Share of stage-ticks of each kind, in the order IDLE, F, B, W."""
+        return tuple(float((self.kind == k).mean()) for k in (IDLE, F, B, W))
 
     def in_flight(self) -> np.ndarray:
         """[P]: the most microbatch-chunks each stage holds at once: F done (its input kept),
