@@ -48,7 +48,7 @@ lint: $(TEST_STAMP)
 # single-threaded, so two workers keep both cores busy. Compiled programs are cached per session.
 # Tests marked serial measure contention between processes and run alone afterwards.
 test: lint $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial" tests
+	$(BIN)/python -m pytest -q -n 3 --dist loadfile -m "not serial" tests
 	$(BIN)/python -m pytest -q -m serial tests
 
 clean:
