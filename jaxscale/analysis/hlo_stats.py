@@ -345,7 +345,7 @@ def _trip_count(line: str) -> int | None:
 def _scoped_shares(line: str, shares: Mapping[str, Sequence[float]]) -> Sequence[float] | None:
     """The branch shares of a conditional made directly in one of `shares`' scopes (its op_name
     ends in scope/op; conditionals inside its branches are not it)."""
-    op_name = _OP_NAME.search(line)
+    op_name = _OP_NAME.search(line) if shares else None
     parts = op_name.group(1).split("/") if op_name else []
     return shares.get(parts[-2]) if len(parts) >= 2 else None
 

@@ -51,22 +51,20 @@ def compiled_bytes(run, compiled) -> dict[str, int]:
     return {**rows, "total": sum(rows.values()), "grads": shard_bytes(grads)}
 
 
-def _pipeline_summary(run) -> dict:
+def _table(run):
+    """The schedule table the step runs, or None without a pipeline."""
+    strategy = run.model.spec.strategy
+    return None if strategy.pipeline == "none" else strategy.table()
+
+
+def _pipeline_summary(run, table) -> dict:
     """The schedule's table, summarised: bubble and microbatches in flight per stage (both from
     the table the step runs), and its drawing (stages x ticks, F B W or . per tick)."""
-    strategy = run.model.spec.strategy
-    if strategy.pipeline == "none":
+    if table is None:
         return {"stages": 1, "schedule": None, "microbatches": None, "virtual_stages": None, "bubble_fraction": 0.0}
-    table = strategy.table()
-    return {"stages": table.stages, "schedule": strategy.pipeline, "microbatches": table.microbatches,
+    return {"stages": table.stages, "schedule": run.model.spec.strategy.pipeline, "microbatches": table.microbatches,
             "virtual_stages": table.virtual, "ticks": table.ticks, "bubble_fraction": table.bubble(),
             "in_flight": table.in_flight().tolist(), "drawing": table.draw()}
-
-
-def _branch_shares(run) -> dict[str, tuple[float, ...]]:
-    """The pipeline executor's switch runs each action kind for the table's share of its ticks."""
-    strategy = run.model.spec.strategy
-    return {} if strategy.pipeline == "none" else {schedules.ACTIONS: strategy.table().shares()}
 
 
 def describe(config, run, compiled, compile_s: float) -> dict:
@@ -74,11 +72,14 @@ def describe(config, run, compiled, compile_s: float) -> dict:
     platform = run.platform
     memory, params = compiled.memory_analysis(), run.abstract_state.params
     n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
-    totals, expected = hlo_stats.bound_and_expected(compiled.as_text(), _branch_shares(run))
+    table = _table(run)
+    # the pipeline executor's switch runs each action kind for the table's share of its ticks
+    shares = {} if table is None else {schedules.ACTIONS: table.shares()}
+    totals, expected = hlo_stats.bound_and_expected(compiled.as_text(), shares)
     per_device = compiled_bytes(run, compiled)
     state = run.abstract_state
     return {"mesh": dict(run.layout.mesh.shape), "zero_stage": run.layout.zero_stage, "remat": config.model.remat,
-            "pipeline": _pipeline_summary(run),
+            "pipeline": _pipeline_summary(run, table),
             "platform": platform, "compute_dtype": str(run.step_spec.dtype),
             "num_params": n_params, "compile_s": round(compile_s, 2), "per_device_bytes": per_device,
             "argument_bytes": memory.argument_size_in_bytes,
