@@ -77,6 +77,13 @@ def machine() -> str:
             f"host {_host_cpu()}, {os.cpu_count()} cores; jax {jax.__version__}")
 
 
+def accelerator() -> str:
+    """', NVIDIA H100 80GB HBM3' on an accelerator, '' on CPU: keeps entries of each machine apart."""
+    import jax
+
+    return "" if jax.default_backend() == "cpu" else f", {jax.devices()[0].device_kind}"
+
+
 def command() -> str:
     """The command line that ran this benchmark, as typed from the repository root."""
     return " ".join(["python"] + [shlex.quote(arg) for arg in sys.argv])

@@ -94,7 +94,8 @@ def report(result: dict) -> str:
             ("sync save (loop blocked)", result["sync_save_s"]), ("restore, digests verified", result["restore_s"]),
             ("local save (loop blocked)", result["local_blocking_s"]),
             ("local save, until written", result["local_written_s"]), ("local restore", result["local_restore_s"])]
-    return _common.entry(f"checkpoint: {_common.size_text(size)} TrainState on {result['devices']} devices", "\n".join(
+    title = f"checkpoint: {_common.size_text(size)} TrainState on {result['devices']} devices{_common.accelerator()}"
+    return _common.entry(title, "\n".join(
         ["| operation | median time | throughput |", "|---|---|---|"]
         + [f"| {name} | {seconds * 1e3:,.0f} ms | {size / seconds / 2**20:,.0f} MiB/s |" for name, seconds in rows]
         + ["", f"blocking ratio async/sync: **{result['blocking_ratio']:.3f}** (median of {result['repeats']} "

@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import _kernels
 import _steps
@@ -106,7 +107,8 @@ def _run_one(config: str, batch: int, remat: str, flag_set: str, args) -> dict:
     return {**row, "error": "out of memory" if memory else (done.stderr.strip().splitlines() or ["failed"])[-1][:200]}
 
 
-def report(rows: list[dict]) -> str:
+def report(rows: list[dict], overrides: list[str] = ()) -> str:
+    """The results entry; each set of --override values is an entry of its own."""
     def cell(r):
         if "error" in r:
             return f"| {r['config']} | {r['batch']} | {r['remat']} | {r['flag_set']} | {r['error']} | | |"
@@ -117,7 +119,9 @@ def report(rows: list[dict]) -> str:
     where = f"{ok[0]['devices']} x {ok[0]['device']}, attention {ok[0]['attention']}" if ok else "no run succeeded"
     kernels = [f"\n{r['config']}, batch {r['batch']}, remat {r['remat']}, {r['flag_set']} flags:\n\n"
                + _kernels.table(r["kernels_ms"]) for r in ok if "kernels_ms" in r]
-    return _common.entry(f"gpu: tokens/s and MFU, seq {rows[0]['seq_len']}, bf16, {where}", "\n".join(
+    configs = ", ".join(dict.fromkeys(Path(r["config"]).stem for r in rows))
+    variant = "".join(f", {o}" for o in overrides)
+    return _common.entry(f"gpu: {configs}, seq {rows[0]['seq_len']}, bf16{variant}, {where}", "\n".join(
         ["| config | global batch | remat | XLA flags | step | tokens/s | MFU |", "|---|---|---|---|---|---|---|"]
         + [cell(r) for r in rows] + kernels))
 
@@ -146,7 +150,7 @@ def main() -> None:
     grid = itertools.product(args.configs.split(","), map(int, args.batch_sizes.split(",")), args.remat.split(","),
                              args.flag_sets.split(","))
     rows = [_run_one(*combination, args) for combination in grid]
-    _common.report(args, report(rows), {"benchmark": "gpu", "rows": rows})
+    _common.report(args, report(rows, args.override), {"benchmark": "gpu", "rows": rows})
 
 
 if __name__ == "__main__":
