@@ -9,8 +9,6 @@ regions (attention, MLP), which never is.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -22,8 +20,6 @@ from jax.sharding import PartitionSpec as P
 from jaxscale.errors import field_value, require
 from jaxscale.mesh import make_mesh
 from jaxscale.names import AXES, DEFAULT_RULES, split_ways
-
-_ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("jaxscale_layout", default=None)
 
 
 def _entry(axes: tuple[str, ...]):
@@ -77,31 +73,19 @@ class Layout:
         """Sharding of a [batch, length] token array."""
         return self.sharding(("batch", "length"))
 
-    @contextlib.contextmanager
-    def activate(self):
-        """Within this block (while tracing), `constrain` places activations by this layout. It
-        carries sharding constraints only: which parallel algorithm runs is the model's
-        strategy (jaxscale.models.strategy), never read from here."""
-        token = _ACTIVE.set(self)
-        try:
-            yield self
-        finally:
-            _ACTIVE.reset(token)
 
-
-def constrain(x: jax.Array, names: tuple[str, ...]) -> jax.Array:
-    """Sharding constraint on an activation by logical names; a no-op outside Layout.activate().
+def constrain(x: jax.Array, layout: Layout | None, where) -> jax.Array:
+    """x placed where `where` says: logical names (placed by `layout`'s rules) or a
+    PartitionSpec of mesh axes. A no-op without a layout (one program: `Strategy()`).
 
     Inside shard_map the constraint is stated on the context's mesh and leaves out its manual axes.
     """
-    layout = _ACTIVE.get()
     if layout is None:
         return x
     context = jax.sharding.get_abstract_mesh()
-    if context.empty or not context.manual_axes:
-        return jax.lax.with_sharding_constraint(x, layout.sharding(names))
-    spec = layout.inside(*context.manual_axes).spec(names)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(context, spec))
+    manual = context.manual_axes if not context.empty else ()
+    spec = where if isinstance(where, P) else layout.inside(*manual).spec(where)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(context if manual else layout.mesh, spec))
 
 
 def split_axes(layout: Layout | None, name: str) -> tuple[str, ...]:

@@ -60,9 +60,8 @@ class StepSpec:
 
 def loss_fn(params: dict, batch: Batch, spec: StepSpec) -> tuple[jax.Array, dict]:
     """(training objective, metrics) of model.loss: the float32 parameters cast to the compute
-    dtype where the model uses them, the loss in float32, activations placed by the layout's rules."""
-    with spec.layout.activate():  # sharding constraints only: the algorithms are the model's strategy
-        return spec.model.loss(params, batch["inputs"], batch["targets"], batch.get("segments"))
+    dtype where the model uses them, the loss in float32, activations placed by its strategy's layout."""
+    return spec.model.loss(params, batch["inputs"], batch["targets"], batch.get("segments"))
 
 
 def _grad_fn(spec: StepSpec):

@@ -129,7 +129,7 @@ class Attention(nnx.Module):
     def _project(self, x_BLD, w, bias_name, heads_axis):
         y = self.matmul(x_BLD, w[...], 1)
         y = y + getattr(self, bias_name)[...] if hasattr(self, bias_name) else y
-        return constrain(y, ("batch", "act_length", heads_axis, "head_dim"))
+        return constrain(y, self.strategy.layout, ("batch", "act_length", heads_axis, "head_dim"))
 
     def __call__(self, x_BLD, places: Placement, cache=None):
         """(out_BLD, cache). Without a cache (training), causal attention over this sequence
@@ -153,7 +153,7 @@ class Attention(nnx.Module):
             out_BLHE = kept(ring)(q_BLHE, k_BLKE, v_BLKE, positions_BL, places.segments)
         else:
             out_BLHE = self_attention(q_BLHE, k_BLKE, v_BLKE, places, self.impl, self.block, self.strategy.layout)
-        out_BLHE = constrain(out_BLHE, ("batch", "act_length", "act_heads", "head_dim"))
+        out_BLHE = constrain(out_BLHE, self.strategy.layout, ("batch", "act_length", "act_heads", "head_dim"))
         out_BLD = self.matmul(out_BLHE, self.wo[...], 2)
         return (out_BLD + self.bias_o[...] if hasattr(self, "bias_o") else out_BLD), cache
 
@@ -162,25 +162,25 @@ class SwiGLU(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         D, F = cfg.d_model, cfg.d_ff
         self.w_gate = normal(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
-        self.matmul = Matmul.of(cfg)
+        self.matmul, self.layout = Matmul.of(cfg), cfg.strategy.layout
         self.w_up = normal(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
         self.w_down = normal(rngs, (F, D), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
 
     def __call__(self, x_BLD):
         h_BLF = jax.nn.silu(self.matmul(x_BLD, self.w_gate[...])) * self.matmul(x_BLD, self.w_up[...])
-        return self.matmul(constrain(h_BLF, ("batch", "act_length", "act_mlp")), self.w_down[...])
+        return self.matmul(constrain(h_BLF, self.layout, ("batch", "act_length", "act_mlp")), self.w_down[...])
 
 
 class GeluMLP(nnx.Module):
     def __init__(self, cfg, rngs: nnx.Rngs):
         D, F = cfg.d_model, cfg.d_ff
         self.w_in = normal(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
-        self.matmul = Matmul.of(cfg)
+        self.matmul, self.layout = Matmul.of(cfg), cfg.strategy.layout
         self.bias_in = zeros((F,), ("mlp",))
         self.w_out = normal(rngs, (F, D), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
         self.bias_out = zeros((D,), ("norm",))
 
     def __call__(self, x_BLD):
         h_BLF = jax.nn.gelu(self.matmul(x_BLD, self.w_in[...]) + self.bias_in[...], approximate=True)
-        return self.matmul(constrain(h_BLF, ("batch", "act_length", "act_mlp")), self.w_out[...],
+        return self.matmul(constrain(h_BLF, self.layout, ("batch", "act_length", "act_mlp")), self.w_out[...],
                            from_activation=True) + self.bias_out[...]

@@ -42,7 +42,6 @@ from jax.sharding import PartitionSpec as P
 
 from jaxscale.models.layers import GeluMLP, SwiGLU, normal, zeros
 from jaxscale.models.strategy import Strategy
-from jaxscale.parallel import constrain as constrain_spec
 from jaxscale.parallel import context, current_mesh, ragged
 from jaxscale.sharding import constrain
 
@@ -176,7 +175,7 @@ class MoE(nnx.Module):
         s, length = self.strategy, x_BLD.shape[1]
         order = None if s.context == "none" else context.zigzag_order(length, s.mesh.shape[context.AXIS])
         bias = self.bias_balance[...] if self.spec.bias_rate else None
-        routing = route(constrain(logits_BLX, ("batch", "act_length", None)), self.spec.top_k,
+        routing = route(constrain(logits_BLX, s.layout, ("batch", "act_length", None)), self.spec.top_k,
                         capacity(length, self.spec), order, bias)
         cap = 0 if self.spec.capacity_factor == 0 else capacity(length, self.spec)
         out_BLD = dispatch_combine(x_BLD, routing, self.experts(), self.spec.num_experts, cap, self.llama,
@@ -187,14 +186,14 @@ class MoE(nnx.Module):
         return out_BLD, {**dict(zip(STATS, (routing.aux_loss, routing.z_loss, routing.dropped))), LOAD: load}
 
 
-def expert_mlp(x_XTD, w: dict, llama: bool):
+def expert_mlp(x_XTD, w: dict, llama: bool, layout=None):
     """Each expert's MLP on its own tokens: [experts, tokens, D] -> same."""
     if llama:
         h_XTF = (jax.nn.silu(jnp.einsum("XTD,XDF->XTF", x_XTD, w["w_gate"]))
                  * jnp.einsum("XTD,XDF->XTF", x_XTD, w["w_up"]))
-        return jnp.einsum("XTF,XFD->XTD", constrain(h_XTF, (None, "batch", "act_mlp")), w["w_down"])
+        return jnp.einsum("XTF,XFD->XTD", constrain(h_XTF, layout, (None, "batch", "act_mlp")), w["w_down"])
     h_XTF = jax.nn.gelu(jnp.einsum("XTD,XDF->XTF", x_XTD, w["w_in"]) + w["bias_in"][:, None], approximate=True)
-    h_XTF = constrain(h_XTF, (None, "batch", "act_mlp"))
+    h_XTF = constrain(h_XTF, layout, (None, "batch", "act_mlp"))
     return jnp.einsum("XTF,XFD->XTD", h_XTF, w["w_out"]) + w["bias_out"][:, None]
 
 
@@ -244,7 +243,8 @@ def _slots(routing: Routing, num_experts: int, cap: int):
     return jnp.where(routing.keep, routing.experts * cap + routing.positions, num_experts * cap)
 
 
-def _local(x_BLD, slots_BLK, weights_BLK, w: dict, *, num_experts: int, cap: int, llama: bool, groups: int):
+def _local(x_BLD, slots_BLK, weights_BLK, w: dict, *, num_experts: int, cap: int, llama: bool, groups: int,
+           layout=None):
     """Dispatch, expert MLPs and combine for this device's rows. With groups > 1 (inside
     shard_map over `expert`, whose size it is) the local experts are num_experts / groups and
     the slots of the others travel by all-to-all."""
@@ -260,8 +260,9 @@ def _local(x_BLD, slots_BLK, weights_BLK, w: dict, *, num_experts: int, cap: int
         buf = jax.lax.all_to_all(buf, AXIS, 1, 1, tiled=True)
     local = num_experts // groups
     tokens_XTD = buf.transpose(2, 0, 1, 3, 4).reshape(local, B * groups * cap, D)
-    y_XTD = expert_mlp(constrain(tokens_XTD, (None, "batch", "act_embed")), w, llama)
-    y = constrain(y_XTD, (None, "batch", "act_embed")).reshape(local, B, groups, cap, D).transpose(1, 2, 0, 3, 4)
+    y_XTD = expert_mlp(constrain(tokens_XTD, layout, (None, "batch", "act_embed")), w, llama, layout)
+    y = constrain(y_XTD, layout, (None, "batch", "act_embed"))
+    y = y.reshape(local, B, groups, cap, D).transpose(1, 2, 0, 3, 4)
     if groups > 1:
         y = jax.lax.all_to_all(y, AXIS, 1, 1, tiled=True)
     y_BSD = y.reshape(B, num_experts * cap, D)
@@ -316,7 +317,7 @@ def dispatch_combine(x_BLD, routing: Routing, w: dict, num_experts: int, cap: in
     layout = strategy.layout
     if cap:
         assigned, run = _slots(routing, num_experts, cap), functools.partial(_local, num_experts=num_experts,
-                                                                              cap=cap, llama=llama)
+                                                                              cap=cap, llama=llama, layout=layout)
     else:
         native = layout is not None and layout.mesh.devices.flat[0].platform != "cpu"  # XLA:CPU has none
         assigned, run = routing.experts, functools.partial(_dropless, num_experts=num_experts, llama=llama,
@@ -334,7 +335,7 @@ def dispatch_combine(x_BLD, routing: Routing, w: dict, num_experts: int, cap: in
         entries = _entries(here.spec(EXPERT_AXES[name]), x.ndim)
         entries[0] = (AXIS,)  # each device holds its own experts whatever the rule says
         specs[name] = [tuple(a for a in e if a in batch) for e in entries]
-        placed[name] = constrain_spec(x, _spec(entries), layout.mesh)
+        placed[name] = constrain(x, layout, _spec(entries))
 
     def local(x, assigned, weights, w):
         return run(x, assigned, weights, _gather_weights(w, specs))

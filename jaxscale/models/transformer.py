@@ -90,19 +90,20 @@ class Block(nnx.Module):
 
     def __init__(self, spec: ModelSpec, rngs: nnx.Rngs, moe: bool = False):
         self.attn_norm, self.mlp_norm = _norm(spec), _norm(spec)
-        self.attn = Attention(spec, rngs)
+        self.attn, self.layout = Attention(spec, rngs), spec.strategy.layout
         self.mlp = MoE(spec, rngs) if moe else SwiGLU(spec, rngs) if spec.family == "llama" else GeluMLP(spec, rngs)
 
     def _attend(self, x_BLD, places, cache):
         # Norms run on the residual layout (split along length in sequence-parallel mode); their
         # outputs are gathered to the tensor-parallel layout that attention and the MLP need.
-        attn_BLD, cache = self.attn(constrain(self.attn_norm(x_BLD), INNER), places, cache)
-        return constrain(x_BLD + attn_BLD, RESIDUAL), cache
+        attn_BLD, cache = self.attn(constrain(self.attn_norm(x_BLD), self.layout, INNER), places, cache)
+        return constrain(x_BLD + attn_BLD, self.layout, RESIDUAL), cache
 
     def __call__(self, x_BLD, places, cache=None):
         """(x_BLD, this layer's updated KV cache, or None without one: see Attention)."""
         x_BLD, cache = self._attend(x_BLD, places, cache)
-        return constrain(x_BLD + self.mlp(constrain(self.mlp_norm(x_BLD), INNER)), RESIDUAL), cache
+        mlp_BLD = self.mlp(constrain(self.mlp_norm(x_BLD), self.layout, INNER))
+        return constrain(x_BLD + mlp_BLD, self.layout, RESIDUAL), cache
 
 
 class MoEBlock(Block):
@@ -114,8 +115,8 @@ class MoEBlock(Block):
     def __call__(self, x_BLD, places, cache=None):
         """(x_BLD, updated KV cache or None, {name: scalar} router statistics)."""
         x_BLD, cache = self._attend(x_BLD, places, cache)
-        out_BLD, stats = self.mlp(constrain(self.mlp_norm(x_BLD), INNER))
-        return constrain(x_BLD + out_BLD, RESIDUAL), cache, stats
+        out_BLD, stats = self.mlp(constrain(self.mlp_norm(x_BLD), self.layout, INNER))
+        return constrain(x_BLD + out_BLD, self.layout, RESIDUAL), cache, stats
 
 
 class MoEStacks(nnx.Module):
@@ -177,7 +178,8 @@ class Transformer(nnx.Module):
         tables = [(Table(self.embed[...], ("vocab", "embed")), tokens_BL)]
         if self.spec.family == "gpt2":
             tables.append((Table(self.pos_embed[...], ("position", "embed")), places.positions))
-        return constrain(embed(tables, self.spec.strategy.layout, self.spec.weights), RESIDUAL)
+        layout = self.spec.strategy.layout
+        return constrain(embed(tables, layout, self.spec.weights), layout, RESIDUAL)
 
     def head_loss(self, x_BLD, targets_BL):
         """(mean next-token cross entropy, mean squared log-sum-exp: the z-loss) of the last
@@ -193,10 +195,10 @@ class Transformer(nnx.Module):
 
     def logits(self, x_BLD):
         """Float32 logits [B, L, V] of the last layer's output: final norm, then the head."""
-        x_BLD = constrain(self.final_norm(x_BLD), INNER)
+        x_BLD = constrain(self.final_norm(x_BLD), self.spec.strategy.layout, INNER)
         w_DV = (self.embed[...].T if self.spec.tie_embeddings else self.head[...]).astype(self.spec.dtype)
         logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, w_DV, preferred_element_type=jnp.float32)
-        return constrain(logits_BLV, ("batch", "act_length", "act_vocab"))
+        return constrain(logits_BLV, self.spec.strategy.layout, ("batch", "act_length", "act_vocab"))
 
     def stage_fn(self):
         """run(stacked layer params, x, places) -> x: those layers in order (a scan, or unrolled
@@ -460,7 +462,7 @@ class LanguageModel:
             def stage(params, x_BLD, places):
                 return run_layers(params, x_BLD, places), {}
 
-        fns = executor.Fns(embed, stage, head_loss, lambda x_BLD: constrain(x_BLD, RESIDUAL), self.extra_loss)
+        fns = executor.Fns(embed, stage, head_loss, lambda x_BLD: constrain(x_BLD, s.layout, RESIDUAL), self.extra_loss)
         loss = executor.pipelined_loss(s.table(), fns, primal, finish, s.layout)
         return loss(params["layers"], outer, inputs_BL, targets_BL, places)
 

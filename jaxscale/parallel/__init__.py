@@ -14,11 +14,6 @@ def current_mesh(mesh):
     return context if not context.empty and context.manual_axes else mesh
 
 
-def constrain(x, spec, mesh):
-    """with_sharding_constraint to `spec` on `mesh`, stated on the context mesh inside shard_map."""
-    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(current_mesh(mesh), spec))
-
-
 def batch_axes(layout, *besides: str) -> tuple[str, ...]:
     """The mesh axes `layout` splits the batch over, less those already manual here and
     `besides`: the axes a shard_map over rows makes manual too, so that what each row needs

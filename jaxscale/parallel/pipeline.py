@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxscale import sharding
 from jaxscale.errors import ConfigError, require, require_positive
 from jaxscale.names import BATCH_AXES, PIPELINE_SCHEDULES, split_ways
-from jaxscale.parallel import batch_axes, constrain, current_mesh, microbatch, schedules
+from jaxscale.parallel import batch_axes, current_mesh, microbatch, schedules
 
 AXIS = "pipeline"
 ONE_CHUNK = ("gpipe", "1f1b", "zero_bubble")
@@ -191,7 +192,7 @@ def circular(stage_fn, stacked_params, x_BLD, places, layout, microbatches: int,
 
     def regroup(p):
         p = p.reshape(repeats, stages, p.shape[0] // (repeats * stages), *p.shape[1:])
-        return constrain(p, P(None, AXIS), layout.mesh)
+        return sharding.constrain(p, layout, P(None, AXIS))
 
     grouped = jax.tree.map(regroup, stacked_params)
     local = _circular_schedule(jax.checkpoint(stage_fn), stages, microbatches, repeats)
