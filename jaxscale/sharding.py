@@ -21,14 +21,39 @@ from jaxscale.errors import field_value, require
 from jaxscale.mesh import make_mesh
 from jaxscale.names import AXES, DEFAULT_RULES, split_ways
 
+Entries = tuple[tuple[str, ...], ...]  # a PartitionSpec as one tuple of mesh axes per dimension
 
-def _entry(axes: tuple[str, ...]):
-    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+def entries(spec: P, ndim: int) -> Entries:
+    """A PartitionSpec as one tuple of mesh axes per dimension."""
+    padded = list(spec) + [None] * (ndim - len(spec))
+    return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in padded)
+
+
+def to_spec(dims) -> P:
+    """The inverse of `entries` (trailing unsplit dimensions dropped)."""
+    out = [None if not e else e[0] if len(e) == 1 else tuple(e) for e in dims]
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
+
+
+def keep(dims: Entries, axes) -> Entries:
+    """`dims` with only the mesh axes in `axes`."""
+    return tuple(tuple(a for a in e if a in axes) for e in dims)
+
+
+def manual_here() -> tuple[str, ...]:
+    """The mesh axes an enclosing shard_map makes manual at this point of tracing."""
+    context = jax.sharding.get_abstract_mesh()
+    return () if context.empty else tuple(context.manual_axes)
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A mesh, its rule table and the ZeRO stage: everything that decides where arrays live."""
+    """A mesh, its rule table and the ZeRO stage: the one authority on where arrays live. Every
+    placement question is asked here: the mesh axes of a logical name, a parameter's stored
+    split, the batch's axes, the axes manual at this point, the mesh a shard_map names."""
 
     mesh: Mesh
     rule_items: tuple[tuple[str, tuple[str, ...]], ...] = tuple(DEFAULT_RULES.items())
@@ -43,17 +68,28 @@ class Layout:
         """This layout as seen inside shard_map over `manual` axes."""
         return dataclasses.replace(self, manual_axes=self.manual_axes + manual)
 
+    def here(self) -> Layout:
+        """This layout as seen at this point of tracing: without the axes an enclosing shard_map
+        made manual."""
+        return self.inside(*(a for a in manual_here() if a not in self.manual_axes))
+
     @property
     def rules(self) -> Mapping[str, tuple[str, ...]]:
         return dict(self.rule_items)
 
+    @property
+    def compiler(self) -> str:
+        """The platform the program is compiled for ('cpu', 'gpu', 'tpu'): its devices', also
+        when they are a topology compiled for on another host."""
+        return self.mesh.devices.flat[0].platform
+
     def spec(self, names: tuple[str | None, ...], where: str = "") -> P:
         """PartitionSpec for dimensions with these logical names (None: not split); each mesh
         axis used at most once."""
-        rules, used, entries = self.rules, set(), []
+        rules, used, dims = self.rules, set(), []
         for name in names:
             if name is None:  # explicitly unsplit
-                entries.append(None)
+                dims.append(())
                 continue
             if name not in rules:
                 raise ValueError(f"{where or 'array'}: logical axis '{name}' matches no sharding rule; "
@@ -61,10 +97,66 @@ class Layout:
             axes = tuple(a for a in rules[name]
                          if self.mesh.shape[a] > 1 and a not in used and a not in self.manual_axes)
             used.update(axes)
-            entries.append(_entry(axes))
-        while entries and entries[-1] is None:
-            entries.pop()
-        return P(*entries)
+            dims.append(axes)
+        return to_spec(dims)
+
+    def axes(self, name: str) -> tuple[str, ...]:
+        """The mesh axes logical axis `name` is split over at this point of tracing (the manual
+        axes of an enclosing shard_map left out)."""
+        return entries(self.here().spec((name,)), 1)[0]
+
+    def batch_axes(self, *besides: str) -> tuple[str, ...]:
+        """The mesh axes the batch is split over here, less `besides`: the axes a shard_map over
+        rows makes manual too, so that what each row needs stays on its device and gradients of
+        what it shares are summed once, at the map's edge."""
+        return tuple(a for a in self.axes("batch") if a not in besides)
+
+    def free_axes(self) -> set[str]:
+        """The mesh axes not manual here."""
+        return set(self.mesh.axis_names) - set(manual_here())
+
+    def mesh_here(self):
+        """The mesh a shard_map should name here: inside another shard_map (gradient accumulation
+        over `data`, a pipeline stage), the context's abstract mesh, whose manual axes it inherits."""
+        context = jax.sharding.get_abstract_mesh()
+        return context if not context.empty and context.manual_axes else self.mesh
+
+    @property
+    def weight_axes(self) -> tuple[str, ...]:
+        """The batch axes that may split weights for storage: those a dense weight's rule names
+        (fsdp), and `data` (ZeRO-3). The rest of the batch's axes (expert) never split a weight
+        that a layer gathers."""
+        named = {a for name in DENSE_WEIGHTS for a in self.rules.get(name, ())}
+        return tuple(a for a in self.rules["batch"] if a in named or a == "data")
+
+    def param_spec(self, names: tuple[str, ...], shape: tuple[int, ...], over_data: bool = False,
+                   where: str = "") -> P:
+        """Where a parameter-shaped array is stored: its rules, and with `over_data` (ZeRO) split
+        over `data` too. The `data` split joins the dimension FSDP splits (the one named `embed`),
+        so that ZeRO-3 is FSDP over one more axis and a weight is gathered whole by one
+        all-gather; where that dimension does not divide, it goes where `add_axis` puts it."""
+        spec = self.spec(names, where)
+        if not over_data or self.mesh.shape["data"] == 1:
+            return spec
+        if "embed" in names:
+            dim = names.index("embed")
+            dims = list(entries(spec, len(shape)))
+            parts = math.prod(self.mesh.shape[a] for a in dims[dim]) * self.mesh.shape["data"]
+            if "data" not in dims[dim] and shape[dim] % parts == 0:
+                # data inside fsdp's blocks: a ZeRO-1/2 moment or gradient block is then a slice of
+                # its parameter's block (data first, the optimizer update permuted every leaf)
+                dims[dim] = dims[dim] + ("data",)
+                return to_spec(dims)
+        return add_axis(spec, shape, "data", self.mesh)
+
+    def stored(self, names: tuple[str, ...], shape: tuple[int, ...]) -> Entries:
+        """Where a parameter with these logical names and (whole) shape is stored, as the state
+        places it (ZeRO-3 included): one tuple of mesh axes per dimension."""
+        return entries(self.param_spec(names, shape, self.zero_stage >= 3), len(shape))
+
+    def reduces_in_float32(self, dtype) -> bool:
+        """`reduces_in_float32` for this layout's compiler."""
+        return reduces_in_float32(self.compiler, dtype)
 
     def sharding(self, names: tuple[str, ...]) -> NamedSharding:
         return NamedSharding(self.mesh, self.spec(names))
@@ -72,6 +164,13 @@ class Layout:
     def batch_sharding(self) -> NamedSharding:
         """Sharding of a [batch, length] token array."""
         return self.sharding(("batch", "length"))
+
+
+def reduces_in_float32(compiler: str, dtype) -> bool:
+    """Whether a reduction of `dtype` across devices runs in float32 instead, decided by the
+    compile target: bfloat16 on XLA:CPU, whose all-reduce promotion aborts the process on one in
+    a manual region ("Invalid binary instruction opcode copy")."""
+    return compiler == "cpu" and jax.numpy.dtype(dtype) == jax.numpy.bfloat16
 
 
 def constrain(x: jax.Array, layout: Layout | None, where) -> jax.Array:
@@ -82,29 +181,8 @@ def constrain(x: jax.Array, layout: Layout | None, where) -> jax.Array:
     """
     if layout is None:
         return x
-    context = jax.sharding.get_abstract_mesh()
-    manual = context.manual_axes if not context.empty else ()
-    spec = where if isinstance(where, P) else layout.inside(*manual).spec(where)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(context if manual else layout.mesh, spec))
-
-
-def split_axes(layout: Layout | None, name: str) -> tuple[str, ...]:
-    """The mesh axes `layout` splits logical axis `name` over, leaving out the manual axes of an
-    enclosing shard_map; () without a layout."""
-    if layout is None:
-        return ()
-    context = jax.sharding.get_abstract_mesh()
-    manual = context.manual_axes if not context.empty else ()
-    entry = layout.inside(*manual).spec((name,))
-    entry = entry[0] if entry else None
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def tree_specs(layout: Layout, axes_tree):
-    """PartitionSpecs for a tree whose leaves are tuples of logical names; errors name the path."""
-    def one(path, names):
-        return layout.spec(names, where=jax.tree_util.keystr(path))
-    return jax.tree_util.tree_map_with_path(one, axes_tree, is_leaf=lambda x: isinstance(x, tuple))
+    spec = where if isinstance(where, P) else layout.here().spec(where)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh_here(), spec))
 
 
 def add_axis(spec: P, shape: tuple[int, ...], axis: str, mesh: Mesh) -> P:
@@ -113,48 +191,15 @@ def add_axis(spec: P, shape: tuple[int, ...], axis: str, mesh: Mesh) -> P:
     Picks the dimension with the most elements per shard whose size stays divisible; a leaf too
     small to split (a scalar, a norm scale smaller than the axis) stays replicated over `axis`.
     """
-    size = mesh.shape[axis]
-    entries = list(spec) + [None] * (len(shape) - len(spec))
-    flat = [a for e in entries if e for a in ((e,) if isinstance(e, str) else e)]
-    if size == 1 or axis in flat:
+    size, dims = mesh.shape[axis], list(entries(spec, len(shape)))
+    if size == 1 or any(axis in e for e in dims):
         return spec
-
-    def parts(entry) -> int:
-        return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ()))
-
-    fits = [d for d in range(len(shape)) if shape[d] % (parts(entries[d]) * size) == 0]
+    fits = [d for d in range(len(shape)) if shape[d] % (math.prod(mesh.shape[a] for a in dims[d]) * size) == 0]
     if not fits:
         return spec
-    best = max(fits, key=lambda d: shape[d] // parts(entries[d]))
-    current = () if entries[best] is None else (entries[best],) if isinstance(entries[best], str) else entries[best]
-    entries[best] = _entry(tuple(sorted(current + (axis,), key=mesh.axis_names.index)))  # outer mesh axis first
-    while entries and entries[-1] is None:
-        entries.pop()
-    return P(*entries)
-
-
-def param_spec(layout: Layout, names: tuple[str, ...], shape: tuple[int, ...], over_data: bool = False,
-               where: str = "") -> P:
-    """Where a parameter-shaped array is stored: its rules, and with `over_data` (ZeRO) split over
-    `data` too. The `data` split joins the dimension FSDP splits (the one named `embed`), so that
-    ZeRO-3 is FSDP over one more axis and a weight is gathered whole by one all-gather; where that
-    dimension does not divide, it goes where `add_axis` puts it."""
-    spec = layout.spec(names, where)
-    if not over_data or layout.mesh.shape["data"] == 1:
-        return spec
-    if "embed" in names:
-        dim = names.index("embed")
-        entries = list(spec) + [None] * (len(shape) - len(spec))
-        current = () if entries[dim] is None else (entries[dim],) if isinstance(entries[dim], str) else entries[dim]
-        parts = math.prod(layout.mesh.shape[a] for a in current) * layout.mesh.shape["data"]
-        if "data" not in current and shape[dim] % parts == 0:
-            # data inside fsdp's blocks: a ZeRO-1/2 moment or gradient block is then a slice of
-            # its parameter's block (data first, the optimizer update permuted every leaf)
-            entries[dim] = _entry(tuple(current) + ("data",))
-            while entries and entries[-1] is None:
-                entries.pop()
-            return P(*entries)
-    return add_axis(spec, shape, "data", layout.mesh)
+    best = max(fits, key=lambda d: shape[d] // math.prod(mesh.shape[a] for a in dims[d]))
+    dims[best] = tuple(sorted(dims[best] + (axis,), key=mesh.axis_names.index))  # outer mesh axis first
+    return to_spec(dims)
 
 
 def named(mesh: Mesh, specs):
@@ -187,6 +232,11 @@ def rules_from_config(config, sizes: Mapping[str, int]) -> tuple[dict[str, tuple
     return rules, notes
 
 
+def batch_shards(config, sizes: Mapping[str, int]) -> tuple[int, str]:
+    """(the pieces the batch is split into, its axes as text) by the run's rule for `batch`."""
+    return split_ways(rules_from_config(config, sizes)[0]["batch"], sizes)
+
+
 def check_rules(config, sizes: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
     """The run's rule table (`rules_from_config`), after checking that it names only mesh axes;
     raises ConfigError naming the rule."""
@@ -195,7 +245,7 @@ def check_rules(config, sizes: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
         for axis in axes:
             require(axis in AXES, f"sharding.rules.{name}", ",".join(axes),
                     f"'{axis}' is not a mesh axis; use {', '.join(AXES)}")
-        require(name not in _DENSE_WEIGHTS or "expert" not in axes, f"sharding.rules.{name}", ",".join(axes),
+        require(name not in DENSE_WEIGHTS or "expert" not in axes, f"sharding.rules.{name}", ",".join(axes),
                 "'expert' splits the experts of MoE layers (and the batch elsewhere), not dense weights; "
                 "split them over fsdp or tensor")
     return rules
@@ -203,7 +253,7 @@ def check_rules(config, sizes: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
 
 # Logical axes of the weights outside MoE layers' experts: layers gather what fsdp splits, and
 # use the experts' `expert` split as it is.
-_DENSE_WEIGHTS = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "position", "norm", "router")
+DENSE_WEIGHTS = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "position", "norm", "router")
 
 
 # Logical axis -> the config field holding that dimension's size.

@@ -49,7 +49,7 @@ def create(model: LanguageModel, tx: optax.GradientTransformation, seed: int, gu
 def param_specs(model: LanguageModel, layout: shd.Layout, over_data: bool) -> dict:
     """PartitionSpecs of parameter-shaped trees; over_data adds the ZeRO split over `data`."""
     def one(path, names, shape):
-        return shd.param_spec(layout, names, shape.shape, over_data, jax.tree_util.keystr(path))
+        return layout.param_spec(names, shape.shape, over_data, jax.tree_util.keystr(path))
     return jax.tree_util.tree_map_with_path(one, model.axes, model.shapes, is_leaf=lambda x: isinstance(x, tuple))
 
 

@@ -12,6 +12,7 @@ from jaxscale import sharding as shd
 from jaxscale.errors import ConfigError
 from jaxscale.models import LanguageModel, ModelSpec
 from jaxscale.sampling import generate
+from jaxscale.state import param_specs
 
 # init_std well above the training default, so logits and attention are far from uniform.
 SPECS = {
@@ -86,7 +87,7 @@ def test_generates_from_sharded_params(model_and_params, sizes):
     """Params laid out as a training run holds them give the tokens one device gives."""
     model, params = model_and_params
     layout = make_layout(**sizes)
-    sharded = jax.device_put(params, shd.named(layout.mesh, shd.tree_specs(layout, model.axes)))
+    sharded = jax.device_put(params, shd.named(layout.mesh, param_specs(model, layout, over_data=False)))
     assert sizes.get("fsdp") is None or len(sharded["embed"].sharding.device_set) == 8
     assert generate(model, sharded, PROMPT, 6) == generate(model, params, PROMPT, 6)
 

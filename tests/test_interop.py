@@ -23,6 +23,7 @@ from jaxscale import sharding as shd  # noqa: E402
 from jaxscale.errors import ConfigError  # noqa: E402
 from jaxscale.interop import load_hf_params, model_config_from_hf, save_hf  # noqa: E402
 from jaxscale.models import LanguageModel, ModelSpec  # noqa: E402
+from jaxscale.state import param_specs  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 100
@@ -131,7 +132,7 @@ def test_sharded_load_and_save(tmp_path):
     params = _perturbed_ours(spec)
     save_hf(params, spec, tmp_path / "a")
     layout = make_layout(pipeline=2, fsdp=2, tensor=2)
-    shardings = shd.named(layout.mesh, shd.tree_specs(layout, LanguageModel(spec).axes))
+    shardings = shd.named(layout.mesh, param_specs(LanguageModel(spec), layout, over_data=False))
     loaded = load_hf_params(tmp_path / "a", spec, shardings)
     jax.tree.map(lambda x, s: x.sharding == s or pytest.fail(f"{x.sharding} != {s}"), loaded, shardings)
     assert loaded["layers"]["attn"]["wq"].sharding.spec == P("pipeline", "fsdp", "tensor")

@@ -368,7 +368,7 @@ def test_active_parameters_for_mfu():
     (["model.moe.num_experts=8", "mesh.expert=2", "sharding.rules.embed='fsdp,expert'"], "sharding.rules.embed",
      "not dense weights"),
     (["model.moe.num_experts=8", "mesh.expert=4", "mesh.data=2", "train.global_batch_size=4"],
-     "train.global_batch_size", "data x fsdp x expert"),
+     "train.global_batch_size", "8 batch shards (data=2xexpert=4)"),
 ])
 def test_bad_moe_input_names_field(overrides, field, words):
     config = config_lib.defaults()

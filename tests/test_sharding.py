@@ -1,5 +1,7 @@
 """Logical axes -> PartitionSpecs, ZeRO stages, and the sharded train state."""
 
+from types import SimpleNamespace
+
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -7,7 +9,8 @@ from jax.sharding import PartitionSpec as P
 from conftest import build_for, make_layout
 from jaxscale.config import defaults
 from jaxscale.models import LanguageModel, ModelSpec
-from jaxscale.sharding import add_axis, rules_from_config, tree_specs
+from jaxscale.sharding import add_axis, rules_from_config
+from jaxscale.state import param_specs
 
 
 def test_rules_drop_size_one_axes_and_reuse():
@@ -23,7 +26,9 @@ def test_rules_drop_size_one_axes_and_reuse():
 
 def test_unmatched_axis_names_the_parameter():
     with pytest.raises(ValueError, match=r"\['layers'\]\['w'\].*'widgets'"):
-        tree_specs(make_layout(data=8), {"layers": {"w": ("widgets", "embed")}})
+        model = SimpleNamespace(axes={"layers": {"w": ("widgets", "embed")}},
+                                shapes={"layers": {"w": jax.ShapeDtypeStruct((4, 8), "float32")}})
+        param_specs(model, make_layout(data=8), over_data=False)
 
 
 def test_add_axis_picks_a_divisible_dimension():
@@ -119,7 +124,7 @@ def test_every_parameter_spec_fsdp2_tensor4_untied():
                      tie_embeddings=False)
     layout = make_layout(fsdp=2, tensor=4)
     got = jax.tree_util.tree_flatten_with_path(
-        tree_specs(layout, LanguageModel(spec).axes), is_leaf=lambda x: isinstance(x, P))[0]
+        param_specs(LanguageModel(spec), layout, over_data=False), is_leaf=lambda x: isinstance(x, P))[0]
     got = {jax.tree_util.keystr(path): s for path, s in got}
     assert got == {
         "['embed']": P("tensor", "fsdp"),                     # vocab x embed

@@ -38,12 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from jaxscale.models.layers import GeluMLP, SwiGLU, normal, zeros
 from jaxscale.models.strategy import Strategy
-from jaxscale.parallel import context, current_mesh, ragged
-from jaxscale.sharding import constrain
+from jaxscale.parallel import context, fsdp, ragged
+from jaxscale.sharding import constrain, entries, manual_here, to_spec
 
 AXIS = "expert"
 STATS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # per-step metrics, means over the MoE layers
@@ -276,25 +275,10 @@ def _local(x_BLD, slots_BLK, weights_BLK, w: dict, *, num_experts: int, cap: int
     return out_BLD.astype(x_BLD.dtype)
 
 
-def _entries(spec: P, ndim: int) -> list[tuple[str, ...]]:
-    """A PartitionSpec as one tuple of mesh axes per dimension."""
-    entries = list(spec) + [None] * (ndim - len(spec))
-    return [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries]
-
-
-def _spec(entries) -> P:
-    return P(*[None if not e else e[0] if len(e) == 1 else e for e in entries])
-
-
 def _gather_weights(w: dict, specs: dict) -> dict:
     """Inside shard_map: each expert weight whole except for its split over `expert` (FSDP's gather)."""
-    def whole(x, entries):
-        for dim, axes in enumerate(entries):
-            axes = tuple(a for a in axes if a != AXIS)
-            if axes:
-                x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
-        return x
-    return {name: whole(x, specs[name]) for name, x in w.items()}
+    return {name: fsdp.gather(x, tuple(tuple(a for a in e if a != AXIS) for e in specs[name]), x.dtype.name)
+            for name, x in w.items()}
 
 
 def _own(w: dict, local: int) -> dict:
@@ -319,30 +303,29 @@ def dispatch_combine(x_BLD, routing: Routing, w: dict, num_experts: int, cap: in
         assigned, run = _slots(routing, num_experts, cap), functools.partial(_local, num_experts=num_experts,
                                                                               cap=cap, llama=llama, layout=layout)
     else:
-        native = layout is not None and layout.mesh.devices.flat[0].platform != "cpu"  # XLA:CPU has none
+        native = layout is not None and layout.compiler != "cpu"  # XLA:CPU has no ragged all-to-all
         assigned, run = routing.experts, functools.partial(_dropless, num_experts=num_experts, llama=llama,
                                                            exchange=native)
     if strategy.experts == "local":
         return run(x_BLD, assigned, routing.weights, w, groups=1)
     run = functools.partial(run, groups=layout.mesh.shape[AXIS])
-    context = jax.sharding.get_abstract_mesh()
-    if not context.empty and AXIS in context.manual_axes:  # in the layer's map (parallel.fsdp) or a
+    if AXIS in manual_here():  # in the layer's map (parallel.fsdp) or a
         return run(x_BLD, assigned, routing.weights, _own(w, num_experts // layout.mesh.shape[AXIS]))  # stage's
-    here = layout.inside(*(() if context.empty else context.manual_axes))  # axes still to split here
-    batch = _entries(here.spec(("batch",)), 1)[0]  # the batch axes: manual inside, with `expert`
+    here = layout.here()  # axes still to split here
+    batch = entries(here.spec(("batch",)), 1)[0]  # the batch axes: manual inside, with `expert`
     specs, placed = {}, {}
     for name, x in w.items():
-        entries = _entries(here.spec(EXPERT_AXES[name]), x.ndim)
-        entries[0] = (AXIS,)  # each device holds its own experts whatever the rule says
-        specs[name] = [tuple(a for a in e if a in batch) for e in entries]
-        placed[name] = constrain(x, layout, _spec(entries))
+        dims = list(entries(here.spec(EXPERT_AXES[name]), x.ndim))
+        dims[0] = (AXIS,)  # each device holds its own experts whatever the rule says
+        specs[name] = [tuple(a for a in e if a in batch) for e in dims]
+        placed[name] = constrain(x, layout, to_spec(dims))
 
     def local(x, assigned, weights, w):
         return run(x, assigned, weights, _gather_weights(w, specs))
 
-    rows = P(_spec([batch])[0])
-    return jax.shard_map(local, mesh=current_mesh(layout.mesh),
-                         in_specs=(rows, rows, rows, {n: _spec(e) for n, e in specs.items()}),
+    rows = to_spec([batch])
+    return jax.shard_map(local, mesh=layout.mesh_here(),
+                         in_specs=(rows, rows, rows, {n: to_spec(e) for n, e in specs.items()}),
                          out_specs=rows, axis_names=set(batch), check_vma=False)(
                              x_BLD, assigned, routing.weights, placed)
 

@@ -241,13 +241,13 @@ class Transformer(nnx.Module):
         return x_BLD, None, stats
 
     def _stored_dims(self, state, stacked: bool = True) -> dict | None:
-        """Where each parameter of `state` is stored (fsdp.stored); of a stack of layers, less
+        """Where each parameter of `state` is stored (Layout.stored); of a stack of layers, less
         the layer dimension."""
         layout = self.spec.strategy.layout
         if layout is None:
             return None
         lead = ("layers",) if stacked else ()
-        return _unflatten({path: fsdp.stored(layout, lead + v.get_metadata()[AXES_KEY], v.shape)[len(lead):]
+        return _unflatten({path: layout.stored(lead + v.get_metadata()[AXES_KEY], v.shape)[len(lead):]
                            for path, v in nnx.to_flat_state(state)})
 
     def _remat(self, layer_fn):

@@ -32,8 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.parallel import current_mesh, fsdp, rings
-from jaxscale.parallel.fsdp import Entries, Weights
+from jaxscale.parallel import fsdp, rings
+from jaxscale.parallel.fsdp import Weights
+from jaxscale.sharding import Entries, entries, keep, to_spec
 
 RESIDUAL = ("batch", "length", "act_embed")
 IDS = ("batch", "act_length")  # token ids and targets: whole over `tensor`, as the rows they pick
@@ -50,7 +51,7 @@ class Table:
 
     def stored(self, layout) -> Entries:
         """(V axes, D axes) the table is stored split over."""
-        dims = fsdp.stored(layout, self.names, self.value.shape)
+        dims = layout.stored(self.names, self.value.shape)
         return dims[::-1] if self.transposed else dims
 
 
@@ -63,23 +64,22 @@ def _index(axes: tuple[str, ...]):
 
 
 def _spec_axes(spec: P, dim: int) -> tuple[str, ...]:
-    return fsdp.entries(spec, dim + 1)[dim]
+    return entries(spec, dim + 1)[dim]
 
 
 def _map(layout):
     """(the mesh axes not manual here, the layout as seen inside a map over them)."""
-    free = fsdp.free_axes(layout.mesh)
-    return free, layout.inside(*(a for a in layout.mesh.axis_names if a not in free))
+    return layout.free_axes(), layout.here()
 
 
 def _mapped(local, layout, in_specs, out_specs, check_vma: bool = False):
     """local in shard_map over the mesh axes its specs name (each device its own blocks), or
     called as it is where they name none. Jitted, so that it also runs outside jit."""
     axes = {a for spec in jax.tree.leaves((in_specs, out_specs), is_leaf=lambda x: isinstance(x, P))
-            for dims in fsdp.entries(spec, len(spec)) for a in dims}
+            for dims in entries(spec, len(spec)) for a in dims}
     if not axes:
         return local
-    return jax.jit(jax.shard_map(local, mesh=current_mesh(layout.mesh), in_specs=in_specs, out_specs=out_specs,
+    return jax.jit(jax.shard_map(local, mesh=layout.mesh_here(), in_specs=in_specs, out_specs=out_specs,
                                  axis_names=axes, check_vma=check_vma))
 
 
@@ -95,13 +95,6 @@ def _local_rows(table_VD, ids, v_axes):
     return jnp.where(inside[..., None], jnp.take(table, jnp.where(inside, local, 0), axis=0), 0.0)
 
 
-def _gather_dims(x, dims: Entries):
-    for dim, axes in enumerate(dims):
-        if axes:
-            x = jax.lax.all_gather(x, axes, axis=dim, tiled=True)
-    return x
-
-
 def embed(tables: list[tuple[Table, jax.Array]], layout, weights: Weights):
     """x_BLD in the compute dtype: the sum of each table's rows at its ids [B, L] (the token
     table's at the tokens; gpt2's learned positions at the positions), placed as the residual
@@ -113,7 +106,7 @@ def embed(tables: list[tuple[Table, jax.Array]], layout, weights: Weights):
     axes, here = _map(layout)
     ids_spec, out_spec = here.spec(IDS), here.spec(RESIDUAL)
     vary = set(_spec_axes(ids_spec, 0)) | set(_spec_axes(ids_spec, 1))  # axes the ids differ over
-    stored = [fsdp.keep(t.stored(layout), axes) for t, _ in tables]
+    stored = [keep(t.stored(layout), axes) for t, _ in tables]
     exchange = tuple(a for a in stored[0][1] if a in vary)  # the D split the rows travel over
     scatter = tuple(a for a in _spec_axes(out_spec, 1) if a not in _spec_axes(ids_spec, 1))  # sequence parallel
 
@@ -122,7 +115,7 @@ def embed(tables: list[tuple[Table, jax.Array]], layout, weights: Weights):
         v_axes, d_axes = dims
         # Whole over the axes the ids differ over along V, and over those they do not along D.
         whole = (tuple(a for a in v_axes if a in vary), tuple(a for a in d_axes if a not in exchange))
-        block = _gather_dims(block, whole)
+        block = fsdp.gather(block, whole, block.dtype.name)
         v_axes = tuple(a for a in v_axes if a not in vary) if vocabulary else ()
         ids = jax.lax.all_gather(ids, exchange, axis=0, tiled=True) if exchange else ids
         return _sum_over(_local_rows(block, ids, v_axes).astype(weights.reduce), v_axes, scatter)
@@ -137,7 +130,7 @@ def embed(tables: list[tuple[Table, jax.Array]], layout, weights: Weights):
     args, specs = [], []
     for (table, ids), dims in zip(tables, stored):
         args += [table.value.astype(weights.reduce), ids]
-        specs += [fsdp.to_spec(dims[::-1] if table.transposed else dims), ids_spec]
+        specs += [to_spec(dims[::-1] if table.transposed else dims), ids_spec]
     return _mapped(local, layout, tuple(specs), out_spec, check_vma=True)(*args)
 
 
@@ -300,7 +293,7 @@ def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chun
     x_spec, ids_spec = here.spec(RESIDUAL), here.spec(IDS)
     gather_length = tuple(a for a in _spec_axes(x_spec, 1) if a not in _spec_axes(ids_spec, 1))
     rows = set(_spec_axes(ids_spec, 0)) | set(_spec_axes(ids_spec, 1))  # axes the tokens differ over
-    v_all, d_axes = fsdp.keep(head.stored(layout), axes)
+    v_all, d_axes = keep(head.stored(layout), axes)
     v_gather = tuple(a for a in v_all if a in rows)
     v_axes = tuple(a for a in v_all if a not in rows)
     vocab = head.value.shape[1 if head.transposed else 0]
@@ -309,7 +302,7 @@ def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chun
 
     def local(x_BLD, w, targets_BL, params):
         if fn is not None:
-            x_BLD = fn(jax.tree.map(lambda p, d: fsdp.gather(p, fsdp.keep(d, axes), weights.compute), params, dims),
+            x_BLD = fn(jax.tree.map(lambda p, d: fsdp.gather(p, keep(d, axes), weights.compute), params, dims),
                        x_BLD)
         if gather_length:
             x_BLD = jax.lax.all_gather(x_BLD, gather_length, axis=1, tiled=True)
@@ -322,9 +315,9 @@ def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chun
         sums = jax.lax.psum(sums, tuple(sorted(rows))) if rows else sums
         return tuple(total / count for total in sums)
 
-    w_dims = fsdp.keep(head.stored(layout), axes)
-    w_spec = fsdp.to_spec(w_dims[::-1] if head.transposed else w_dims)
-    p_specs = jax.tree.map(lambda _, d: fsdp.to_spec(fsdp.keep(d, axes)), params, dims)
+    w_dims = keep(head.stored(layout), axes)
+    w_spec = to_spec(w_dims[::-1] if head.transposed else w_dims)
+    p_specs = jax.tree.map(lambda _, d: to_spec(keep(d, axes)), params, dims)
     inward = jax.tree.map(lambda p: p.astype(weights.reduce), (head.value, params))
     return _mapped(local, layout, (x_spec, w_spec, ids_spec, p_specs), (P(), P()))(x_BLD, inward[0], targets_BL,
                                                                                     inward[1])

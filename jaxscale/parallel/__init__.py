@@ -4,22 +4,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxscale import sharding
-
-
-def current_mesh(mesh):
-    """The mesh a shard_map should name here: inside another shard_map (gradient accumulation
-    over `data`, a pipeline stage), the context's abstract mesh, whose manual axes it inherits."""
-    context = jax.sharding.get_abstract_mesh()
-    return context if not context.empty and context.manual_axes else mesh
-
-
-def batch_axes(layout, *besides: str) -> tuple[str, ...]:
-    """The mesh axes `layout` splits the batch over, less those already manual here and
-    `besides`: the axes a shard_map over rows makes manual too, so that what each row needs
-    stays on its device and gradients of what it shares are summed once, at the map's edge."""
-    return tuple(a for a in sharding.split_axes(layout, "batch") if a not in besides)
-
 
 def per_device(local, layout, q_BLHE, k_BLKE, v_BLKE, *rows_BL, every_axis: bool = False):
     """local(q, k, v, *rows) on the rows and heads each device holds: shard_map over `layout`'s
@@ -32,15 +16,15 @@ def per_device(local, layout, q_BLHE, k_BLKE, v_BLKE, *rows_BL, every_axis: bool
     batch's axes per tile (measured on the TPU compiler). Key/value heads replicated across the
     heads' axes (too few to split) are repeated to one per query head first, so each device
     holds the pairs its query heads need."""
-    heads, batch = sharding.split_axes(layout, "act_heads"), batch_axes(layout)
-    mesh = None if layout is None else current_mesh(layout.mesh)
-    free = set() if mesh is None else set(mesh.axis_names) - set(getattr(mesh, "manual_axes", ()))
+    if layout is None:
+        return local(q_BLHE, k_BLKE, v_BLKE, *rows_BL)
+    heads, batch, free = layout.axes("act_heads"), layout.batch_axes(), layout.free_axes()
     axes = free if every_axis else {*heads, *batch} & free
     if not axes:
         return local(q_BLHE, k_BLKE, v_BLKE, *rows_BL)
-    if heads and heads != sharding.split_axes(layout, "act_kv_heads"):
+    if heads and heads != layout.axes("act_kv_heads"):
         groups = q_BLHE.shape[2] // k_BLKE.shape[2]
         k_BLKE, v_BLKE = (jnp.repeat(x, groups, axis=2) for x in (k_BLKE, v_BLKE))
     qkv, rows = P(batch or None, None, heads or None, None), P(batch or None, None)
-    return jax.shard_map(local, mesh=mesh, in_specs=(qkv,) * 3 + (rows,) * len(rows_BL), out_specs=qkv,
-                         axis_names=axes, check_vma=False)(q_BLHE, k_BLKE, v_BLKE, *rows_BL)
+    return jax.shard_map(local, mesh=layout.mesh_here(), in_specs=(qkv,) * 3 + (rows,) * len(rows_BL),
+                         out_specs=qkv, axis_names=axes, check_vma=False)(q_BLHE, k_BLKE, v_BLKE, *rows_BL)

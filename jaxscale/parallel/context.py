@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from jaxscale.errors import require, require_choice
 from jaxscale.kernels import flash
 from jaxscale.names import CONTEXT_PARALLEL
-from jaxscale.parallel import batch_axes, current_mesh
+from jaxscale.sharding import manual_here
 
 AXIS = "sequence"
 
@@ -138,10 +138,9 @@ def attention(q_BLHE, k_BLKE, v_BLKE, positions_BL, segments_BL, layout, mode: s
     segments_BL = jnp.zeros_like(positions_BL) if segments_BL is None else segments_BL
     tile = flash.block_for(q_BLHE.shape[1] // (2 * shards), block)
     local = functools.partial(_ring_local if mode == "ring" else _all_gather_local, shards=shards, block=tile)
-    context = jax.sharding.get_abstract_mesh()
-    if not context.empty and AXIS in context.manual_axes:  # in a layer's map over the rows and the length
+    if AXIS in manual_here():  # in a layer's map over the rows and the length
         return local(q_BLHE, k_BLKE, v_BLKE, positions_BL, segments_BL)
-    batch = batch_axes(layout, AXIS)
+    batch = layout.batch_axes(AXIS)
     seq = P(batch or None, AXIS)
-    return jax.shard_map(local, mesh=current_mesh(mesh), in_specs=(seq,) * 5, out_specs=seq,
+    return jax.shard_map(local, mesh=layout.mesh_here(), in_specs=(seq,) * 5, out_specs=seq,
                          axis_names={AXIS, *batch}, check_vma=False)(q_BLHE, k_BLKE, v_BLKE, positions_BL, segments_BL)

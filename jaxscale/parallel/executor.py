@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jaxscale.parallel import batch_axes, current_mesh, microbatch
+from jaxscale.parallel import microbatch
 from jaxscale.parallel.schedules import ACTIONS, B, F, Table, W
 
 AXIS = "pipeline"
@@ -291,9 +291,8 @@ def run(table: Table, fns: Fns, stacked, outer, tokens_BL, targets_BL, places, l
     loss plus what the statistics add. stacked has the layer dimension first, split over
     `pipeline`; places is a pytree of [B, L] arrays (positions, segment ids)."""
     stages, virtual, count = table.stages, table.virtual, table.microbatches
-    mesh = layout.mesh
-    the_plan, batch = plan(table), batch_axes(layout, AXIS)
-    scale = 1.0 / (count * math.prod(current_mesh(mesh).shape[a] for a in batch))
+    the_plan, batch = plan(table), layout.batch_axes(AXIS)
+    scale = 1.0 / (count * math.prod(layout.mesh.shape[a] for a in batch))
 
     def regroup(p):  # [L, ...] -> [V, P, L/(PV), ...]: virtual stage j = c*P + s on device s
         return p.reshape(virtual, stages, p.shape[0] // (virtual * stages), *p.shape[1:])
@@ -314,7 +313,7 @@ def run(table: Table, fns: Fns, stacked, outer, tokens_BL, targets_BL, places, l
     args = (jax.tree.map(regroup, stacked), outer, split(tokens_BL), split(targets_BL), jax.tree.map(split, places))
     specs = (P(None, AXIS), P(), rows, rows, jax.tree.map(lambda _: rows, places))
     loss, g_chunks, g_outer, stats = jax.shard_map(
-        body, mesh=current_mesh(mesh), in_specs=specs, out_specs=(P(), P(None, AXIS), P(), P(None, AXIS)),
+        body, mesh=layout.mesh_here(), in_specs=specs, out_specs=(P(), P(None, AXIS), P(), P(None, AXIS)),
         axis_names={AXIS, *batch}, check_vma=False)(*args)
     g_stacked = jax.tree.map(lambda g, p: g.reshape(p.shape).astype(p.dtype), g_chunks, stacked)
     stats = jax.tree.map(lambda s: s.reshape(virtual * stages, *s.shape[2:]), stats)  # [V, P, ...]: j = v*P + p

@@ -27,10 +27,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxscale import sharding
-from jaxscale.parallel import current_mesh, rings
-
-WEIGHT_AXES = ("data", "fsdp")  # batch axes that may split weights for storage (ZeRO-3, FSDP)
-Entries = tuple[tuple[str, ...], ...]  # a PartitionSpec as one tuple of mesh axes per dimension
+from jaxscale.parallel import rings
+from jaxscale.sharding import Entries, keep, to_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,34 +41,13 @@ class Weights:
 
     @classmethod
     def of(cls, compute, reduce=None, compiler: str = "") -> Weights:
-        """`reduce` None: the compute dtype. For XLA:CPU (`compiler` "cpu") a bfloat16 reduction
-        is float32: its all-reduce promotion aborts the process on one in a manual region."""
+        """`reduce` None: the compute dtype; float32 where `compiler` cannot reduce it
+        (`sharding.reduces_in_float32`)."""
         compute = jnp.dtype(compute)
         reduce = jnp.dtype(reduce or compute)
-        if compiler == "cpu" and reduce == jnp.bfloat16:
+        if sharding.reduces_in_float32(compiler, reduce):
             reduce = jnp.dtype(jnp.float32)
         return cls(compute.name, reduce.name)
-
-
-def entries(spec: P, ndim: int) -> Entries:
-    """A PartitionSpec as one tuple of mesh axes per dimension."""
-    padded = list(spec) + [None] * (ndim - len(spec))
-    return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in padded)
-
-
-def to_spec(dims: Entries) -> P:
-    return P(*[None if not e else e[0] if len(e) == 1 else e for e in dims])
-
-
-def keep(dims: Entries, axes) -> Entries:
-    """`dims` with only the mesh axes in `axes`."""
-    return tuple(tuple(a for a in e if a in axes) for e in dims)
-
-
-def free_axes(mesh) -> set[str]:
-    """The mesh axes not manual here (inside shard_map some are)."""
-    mesh = current_mesh(mesh)
-    return set(mesh.axis_names) - set(getattr(mesh, "manual_axes", ()))
 
 
 def map_axes(layout: sharding.Layout | None, length: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -83,12 +60,10 @@ def map_axes(layout: sharding.Layout | None, length: bool = False) -> tuple[tupl
     several of them has its gradient summed over all of them at once."""
     if layout is None:
         return (), ()
-    free = free_axes(layout.mesh)
-    rows = tuple(a for a in entries(layout.spec(("batch",)), 1)[0] if a in free)
-    if not set(rows) & set(WEIGHT_AXES):
+    rows = layout.batch_axes()
+    if not set(rows) & set(layout.weight_axes):
         return (), ()
-    along = tuple(a for a in entries(layout.spec(("act_length",)), 1)[0] if a in free) if length else ()
-    return rows, along
+    return rows, layout.axes("act_length") if length else ()
 
 
 def _gather_fwd(x, dims: Entries, compute: str):
@@ -128,33 +103,26 @@ def gather_plans(mesh, dims: Entries) -> tuple[rings.Stages, ...]:
     return tuple(rings.stages(mesh, axes) for axes in dims)
 
 
-def _whole(x, dims: Entries, axes: tuple[str, ...], compute: str, mesh):
+def _whole(x, dims: Entries, axes: tuple[str, ...], compute: str, layout: sharding.Layout):
     """x (a weight's shard stored as `dims` say) whole over the map's `axes`, in the compute dtype.
     Its splits over other axes (tensor) stay: the gather runs in a map over them too, because in a
     partly manual region XLA gathers an operand's automatic dimensions before a collective
     (measured: every weight all-gathered over `tensor` under fsdp x tensor)."""
-    gathered = keep(dims, tuple(a for a in axes if a in WEIGHT_AXES))
+    gathered = keep(dims, tuple(a for a in axes if a in layout.weight_axes))
     if not any(gathered):
         return x.astype(compute)
-    plans = gather_plans(mesh, gathered)
+    plans = gather_plans(layout.mesh, gathered)
 
     def whole(x):
         return gather(x, gathered, compute, plans)
 
-    free = free_axes(mesh)
-    rest = tuple(tuple(a for a in e if a in free and mesh.shape[a] > 1) for e in dims)
+    free = layout.free_axes()
+    rest = tuple(tuple(a for a in e if a in free and layout.mesh.shape[a] > 1) for e in dims)
     if not any(rest):
         return whole(x)
     spec = to_spec(rest)
-    return jax.shard_map(whole, mesh=current_mesh(mesh), in_specs=spec, out_specs=spec,
+    return jax.shard_map(whole, mesh=layout.mesh_here(), in_specs=spec, out_specs=spec,
                          axis_names={a for e in rest for a in e}, check_vma=False)(x)
-
-
-def stored(layout: sharding.Layout, names: tuple[str, ...], shape: tuple[int, ...]) -> Entries:
-    """Where a parameter with these logical names and (whole) shape is stored: as the state
-    places it (`sharding.param_spec`, ZeRO-3 included)."""
-    spec = sharding.param_spec(layout, names, shape, layout.zero_stage >= 3)
-    return entries(spec, len(shape))
 
 
 def run(fn, layout: sharding.Layout | None, weights: Weights, params, dims, x_BLD, places,
@@ -163,7 +131,7 @@ def run(fn, layout: sharding.Layout | None, weights: Weights, params, dims, x_BL
     compute dtype: in shard_map over `map_axes` (each device its rows of x and of `places`, a
     pytree of [B, L] arrays, and with `length` its part of the length; stats, scalar means over
     its rows, averaged over the map), or directly where there is no such axis. `dims` gives each
-    parameter's stored split (`stored`). `remat` wraps the gathers with fn: a rematerialised
+    parameter's stored split (`Layout.stored`). `remat` wraps the gathers with fn: a rematerialised
     layer gathers its weights again in the backward pass (FSDP's reshard after forward), an
     unrematerialised one keeps them."""
     rows, along = map_axes(layout, length)
@@ -172,7 +140,7 @@ def run(fn, layout: sharding.Layout | None, weights: Weights, params, dims, x_BL
     def use(params, x_BLD, places):
         if not axes:
             return fn(jax.tree.map(lambda p: p.astype(weights.compute), params), x_BLD, places)
-        whole = jax.tree.map(lambda p, d: _whole(p, d, axes, weights.compute, layout.mesh), params, dims)
+        whole = jax.tree.map(lambda p, d: _whole(p, d, axes, weights.compute, layout), params, dims)
         y_BLD, stats = fn(whole, x_BLD, places)
         return y_BLD, jax.tree.map(lambda s: jax.lax.pmean(s, axes), stats)
 
@@ -181,5 +149,5 @@ def run(fn, layout: sharding.Layout | None, weights: Weights, params, dims, x_BL
         return remat(use)(inward, x_BLD, places)
     specs = jax.tree.map(lambda _, d: to_spec(keep(d, axes)), params, dims)
     tokens = P(rows, along or None)
-    return jax.shard_map(remat(use), mesh=current_mesh(layout.mesh), in_specs=(specs, tokens, tokens),
+    return jax.shard_map(remat(use), mesh=layout.mesh_here(), in_specs=(specs, tokens, tokens),
                          out_specs=(tokens, P()), axis_names=set(axes), check_vma=False)(inward, x_BLD, places)

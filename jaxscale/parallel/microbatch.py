@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import jax
 
+from jaxscale import sharding
 from jaxscale.errors import require
-from jaxscale.names import BATCH_AXES, split_ways
 
 
 def check(config, sizes) -> None:
     """train.grad_accum_steps divides the global batch, and each microbatch divides evenly over
-    the batch shards (`sizes` of BATCH_AXES); raises ConfigError naming the field."""
+    the batch shards (the mesh axes the `batch` rule names); raises ConfigError naming the field."""
     t = config.train
     require(t.global_batch_size % t.grad_accum_steps == 0, "train.grad_accum_steps", t.grad_accum_steps,
             f"must divide train.global_batch_size={t.global_batch_size}")
-    micro, shards = t.global_batch_size // t.grad_accum_steps, split_ways(BATCH_AXES, sizes)[0]
+    micro, (shards, axes) = t.global_batch_size // t.grad_accum_steps, sharding.batch_shards(config, sizes)
     require(micro % shards == 0, "train.global_batch_size", t.global_batch_size,
             f"each microbatch ({micro} = {t.global_batch_size}/{t.grad_accum_steps} accumulation steps) must "
-            f"divide evenly over {shards} batch shards (mesh data x fsdp x expert); "
+            f"divide evenly over {shards} batch shards ({axes or 'one device'}); "
             f"use a multiple of {shards * t.grad_accum_steps}")
 
 

@@ -24,8 +24,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxscale import sharding
 from jaxscale.errors import ConfigError, require, require_positive
-from jaxscale.names import BATCH_AXES, PIPELINE_SCHEDULES, split_ways
-from jaxscale.parallel import batch_axes, current_mesh, microbatch, schedules
+from jaxscale.names import PIPELINE_SCHEDULES
+from jaxscale.parallel import microbatch, schedules
 
 AXIS = "pipeline"
 ONE_CHUNK = ("gpipe", "1f1b", "zero_bubble")
@@ -68,7 +68,7 @@ def _check_stages(config, sizes) -> None:
             f"{stages} stages x {p.virtual_stages} virtual stages need a multiple of {chunks} layers")
     require(p.microbatches >= stages, "pipeline.microbatches", p.microbatches,
             f"fewer microbatches than the {stages} stages leaves stages idle; use at least {stages}")
-    micro, shards = t.global_batch_size // t.grad_accum_steps, split_ways(BATCH_AXES, sizes)[0]
+    micro, shards = t.global_batch_size // t.grad_accum_steps, sharding.batch_shards(config, sizes)[0]
     require(micro % (p.microbatches * shards) == 0, "pipeline.microbatches", p.microbatches,
             f"each accumulation step's {micro} sequences must split into {p.microbatches} microbatches "
             f"over {shards} batch shards; make train.global_batch_size a multiple of "
@@ -133,7 +133,7 @@ def _over_stages(local, param_spec, params, x_BLD, places, layout, microbatches:
         raise ValueError(f"pipeline: a batch of {x_BLD.shape[0]} rows does not split into {microbatches} microbatches; "
                          "pass a multiple of them, or call model.unsharded() for one program at any batch size")
     dtype = x_BLD.dtype
-    cpu_bf16 = jax.default_backend() == "cpu" and dtype == jnp.bfloat16
+    cpu_bf16 = layout.reduces_in_float32(dtype)
 
     def wire(tree, to=jnp.float32):
         return jax.tree.map(lambda x: x.astype(to) if cpu_bf16 and x.dtype in (jnp.float32, jnp.bfloat16) else x, tree)
@@ -143,9 +143,9 @@ def _over_stages(local, param_spec, params, x_BLD, places, layout, microbatches:
         return jax.lax.psum(wire(out), AXIS)
 
     xs, places = microbatch.split(x_BLD, microbatches), microbatch.split_tree(places, microbatches)
-    batch = batch_axes(layout, AXIS)
+    batch = layout.batch_axes(AXIS)
     rows = P(None, batch or None)
-    out = jax.shard_map(body, mesh=current_mesh(layout.mesh), in_specs=(param_spec, rows, rows), out_specs=rows,
+    out = jax.shard_map(body, mesh=layout.mesh_here(), in_specs=(param_spec, rows, rows), out_specs=rows,
                         axis_names={AXIS, *batch}, check_vma=False)(wire(params), wire(xs), places)
     return microbatch.merge(out).astype(dtype)
 
