@@ -31,6 +31,9 @@ MEASURED_GPU = {"configs/llama_1b.py": (["train.global_batch_size=8", "train.seq
                 "configs/gpt2_124m.py": (["train.global_batch_size=16", "train.seq_len=2048",
                                           "model.max_seq_len=2048", "model.remat='none'"], 0.108)}
 
+# The entry's machine label: its step times are the H200's, only the compiling runs on this host.
+MEASURED_ON = "steps measured on 1 x NVIDIA H200 (benchmarks/gpu.py, jax 0.11.2)"
+
 
 def _spearman(a: list[float], b: list[float]) -> float:
     """Spearman's rank correlation (no ties expected in measured times)."""
@@ -105,6 +108,7 @@ def calibrate(args) -> None:
                          "GPU compiler; the measured steps are the H200 runs of benchmarks/gpu.py. Matmul efficiency "
                          f"calibrated on llama_1b: **{efficiency:.3f}** of the H200's 989 TFLOP/s "
                          "(jaxscale.analysis.machines).\n")
+    text = text.replace("; machine: ", f"; machine: {MEASURED_ON}; compiled for it on ", 1)
     _common.report(args, text, {"benchmark": "search", "efficiency": efficiency, "rows": rows})
 
 

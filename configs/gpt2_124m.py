@@ -2,6 +2,7 @@
 
 Synthetic tokens by default; point it at real data with a nanoGPT token file, e.g.
   --config.data.path=train.bin   (uint16 GPT-2 BPE tokens)
+A data.path (or data.mixture) given on the command line replaces the synthetic source.
 """
 
 from jaxscale.config import defaults

@@ -1,7 +1,8 @@
 """Llama-3.2-1B shape (1.2B parameters, GQA 32/8, RoPE theta 500k, tied embeddings) for GPUs.
 
 Synthetic tokens by default; use --config.data.path=FILE.bin (uint32 for a 128k vocabulary:
---config.data.token_dtype=uint32) or a tokenizer.json with text files for real data.
+--config.data.token_dtype=uint32) or a tokenizer.json with text files for real data. A data.path
+(or data.mixture) given on the command line replaces the synthetic source.
 """
 
 from jaxscale.config import defaults

@@ -42,8 +42,10 @@ def parse_named(argv: list[str], usage: str, flags: dict[str, type]) -> dict:
 
 def _convert(name: str, text: str, kind: type):
     if kind is bool:
-        if text.lower() in ("true", "1", "false", "0"):
-            return text.lower() in ("true", "1")
+        from jaxscale.config import BOOL_WORDS
+
+        if text.strip().lower() in BOOL_WORDS:
+            return BOOL_WORDS[text.strip().lower()]
     else:
         try:
             return kind(text)

@@ -265,13 +265,54 @@ def set_value(config, dotted: str, value) -> None:
     node[leaf] = _coerce(dotted, node[leaf], value)
 
 
+# How absl and ml_collections users write booleans on a command line; any case.
+BOOL_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+
+
+def _current(config, dotted: str):
+    """config.<dotted>'s value, or None where the key does not exist (set_value then says so)."""
+    node = config
+    for name in dotted.split("."):
+        if not isinstance(node, ml_collections.ConfigDict) or name not in node:
+            return None
+        node = node[name]
+    return node
+
+
+def _override_value(config, key: str, text: str):
+    """An override's text as a value: a Python literal, else the bare word as a string; for a
+    boolean key true/false, yes/no or 1/0 in any case, else a ConfigError."""
+    if isinstance(_current(config, key), bool):
+        word = text.strip().lower()
+        if word not in BOOL_WORDS:
+            raise ConfigError(key, text, "expected bool: write true or false (yes/no and 1/0 work too)")
+        return BOOL_WORDS[word]
+    return _parse_value(text)
+
+
 def apply_overrides(config, overrides: list[str]) -> None:
-    """Apply 'a.b=value' strings (the part after --config.)."""
+    """Apply 'a.b=value' strings (the part after --config.).
+
+    data.path or data.mixture given here without data.source means the file source: it replaces
+    the source the config file chose (configs/llama_1b.py's synthetic tokens train on
+    --config.data.path=FILE). A data.source given beside it stands, and data.settings.check
+    refuses a source that reads no files with a path.
+    """
+    keys = set()
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep:
             raise ConfigError(f"--config.{key}", "", "overrides take the form --config.section.key=value")
-        set_value(config, key, _parse_value(text))
+        set_value(config, key, _override_value(config, key, text))
+        keys.add(key)
+    if keys & {"data.path", "data.mixture"} and "data.source" not in keys:
+        _files_given(config.data)
+
+
+def _files_given(data) -> None:
+    """A source that reads no files (synthetic, embedded) gives way to the files just given."""
+    if (data.path or data.mixture) and data.source not in ("auto", "file"):
+        data.source = "file"
 
 
 def check_keys(config) -> None:

@@ -43,7 +43,33 @@ def test_overrides_parse_types():
     assert config.data.path == "a b.txt"
 
 
+@pytest.mark.parametrize("text, value", [("true", True), ("False", False), ("TRUE", True), ("1", True), ("0", False),
+                                         ("yes", True), ("No", False)])
+def test_bool_overrides_take_the_words_absl_users_type(text, value):
+    config = config_lib.defaults()
+    config_lib.apply_overrides(config, [f"train.deterministic={text}", f"model.tie_embeddings={text}"])
+    assert config.train.deterministic is value and config.model.tie_embeddings is value
+
+
+def test_a_path_on_the_command_line_means_the_file_source():
+    config = config_lib.load(str(ROOT / "configs" / "llama_1b.py"))
+    assert config.data.source == "synthetic"
+    config_lib.apply_overrides(config, ["data.path=train.bin"])
+    assert config.data.source == "file"
+    config = config_lib.load(str(ROOT / "configs" / "gpt2_124m.py"))
+    config_lib.apply_overrides(config, ["data.mixture=web=a:0.7,code=b:0.3"])
+    assert config.data.source == "file"
+    config = config_lib.defaults()
+    config_lib.apply_overrides(config, ["data.path=a.txt"])
+    assert config.data.source == "auto"   # auto already reads the path
+    config = config_lib.load(str(ROOT / "configs" / "llama_1b.py"))
+    config_lib.apply_overrides(config, ["data.path=a.txt", "data.path="])
+    assert config.data.source == "synthetic"   # no path in the end: the file's choice stands
+
+
 @pytest.mark.parametrize("overrides, field, words", [
+    (["train.deterministic=maybe"], "train.deterministic", "write true or false"),
+    (["data.path=x.txt", "data.source=synthetic"], "data.source", "data.path or data.mixture is set"),
     (["train.stepz=5"], "train.stepz", "did you mean 'steps'"),
     (["trian.steps=5"], "trian.steps", "did you mean 'train'"),
     (["train.steps=abc"], "train.steps", "expected int"),
@@ -121,7 +147,8 @@ def test_parse_flags():
 
 @pytest.mark.parametrize("flag, field", [("--config.train.stepz=5", "train.stepz"),
                                          ("--config.mesh.data=3", "mesh.data"),
-                                         ("--config.data.path=/no/such/file.txt", "data.path")])
+                                         ("--config.data.path=/no/such/file.txt", "data.path"),
+                                         ("--config.train.deterministic=maybe", "train.deterministic")])
 def test_cli_bad_input_exits_2_with_one_line(flag, field, tmp_path):
     result = run_cli(["--config=configs/tiny.py", flag, f"--workdir={tmp_path}"])
     assert result.returncode == 2, result.stderr
