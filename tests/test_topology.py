@@ -241,7 +241,7 @@ def pod_fsdp32():
     devices, _ = topology.compile_only_devices("v5p-64")
     config = cli.load_config(str(ROOT / "configs" / "llama3_8b.py"), POD)
     run, compiled, seconds = plan_lib.compile_plan(config, "tpu", devices)
-    return config, plan_lib.describe(config, run, compiled, seconds), compiled.as_text()
+    return config, plan_lib.describe(config, run, compiled, seconds).to_json(), compiled.as_text()
 
 
 def test_a_pod_gathers_weights_reduce_scatters_gradients_and_exchanges_rows(pod_fsdp32):
