@@ -32,10 +32,10 @@ import optax
 
 from jaxscale import config as config_lib
 from jaxscale.build import Run
+from jaxscale.models.precision import compute_dtype
 from jaxscale.optim import make_optimizer
 from jaxscale.runtime import loop
 from jaxscale.runtime.session import Session, open_session
-from jaxscale.step import compute_dtype
 
 SMOKE_OVERRIDES = ["model.d_model=64", "model.d_ff=128", "train.seq_len=32", "train.global_batch_size=8"]
 

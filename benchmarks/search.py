@@ -93,12 +93,12 @@ def calibrate(args) -> None:
     rows, efficiency = [], None
     for path, (overrides, measured_s) in MEASURED_GPU.items():
         config = cli.load_config(str(_common.ROOT / path), overrides + ["mesh.data=1"])
-        plan = describe(config, *compile_plan(config, "gpu", devices))
-        p = cost.predict(plan, ideal)
+        work = describe(config, *compile_plan(config, "gpu", devices)).work
+        p = cost.predict(work, ideal)
         if efficiency is None:  # the first (llama_1b) calibrates
             efficiency = p.compute_s / (measured_s - p.memory_s - p.exposed_s)
         predicted = p.compute_s / efficiency + p.memory_s + p.exposed_s
-        rows.append({"config": path, "matmul_tflop": cost.matmul_flops(plan) / 1e12, "memory_ms": p.memory_s * 1e3,
+        rows.append({"config": path, "matmul_tflop": cost.matmul_flops(work) / 1e12, "memory_ms": p.memory_s * 1e3,
                      "measured_ms": measured_s * 1e3, "predicted_ms": predicted * 1e3})
     lines = ["| config | matmul TFLOP a step | memory term ms | measured ms | predicted ms |",
              "|---|---:|---:|---:|---:|"]

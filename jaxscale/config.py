@@ -19,18 +19,7 @@ from pathlib import Path
 import ml_collections
 
 from jaxscale.errors import ConfigError
-
-# Re-exported: config.py was their home before names.py.
-from jaxscale.names import (  # noqa: F401
-    ATTENTION_IMPLS,
-    AXES,
-    CONTEXT_PARALLEL,
-    DEFAULT_RULES,
-    DTYPES,
-    FAMILIES,
-    REMAT_POLICIES,
-    SOURCES,
-)
+from jaxscale.names import AXES, DEFAULT_RULES
 
 
 def _add_model(c: ml_collections.ConfigDict) -> None:

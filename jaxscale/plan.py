@@ -22,6 +22,7 @@ import jax
 
 from jaxscale import cli
 from jaxscale.analysis import hlo_stats, topology
+from jaxscale.analysis.plan_types import ByAxis, Plan, TopologySummary, to_json
 from jaxscale.analysis.step_plan import compile_plan, describe
 from jaxscale.errors import ConfigError
 from jaxscale.tracking.fields import flat_config
@@ -34,16 +35,22 @@ USAGE = ("usage: python -m jaxscale.plan --config=PATH [--config.section.key=val
 GIB = 2**30
 
 
-def make_plan(config, platform: str | None = None, devices=None) -> dict:
-    """The plan as a JSON-ready dict (see the module docstring), over `devices` (default: all)."""
+def plan_for(config, platform: str | None = None, devices=None) -> Plan:
+    """The plan (see the module docstring) over `devices` (default: all)."""
     return describe(config, *compile_plan(config, platform or jax.default_backend(), devices))
 
 
-def advice(plan: dict, config, limit_bytes: float) -> list[str]:
+def make_plan(config, platform: str | None = None, devices=None) -> dict:
+    """The plan as a JSON-ready dict, as `--json` prints it (`plan_for(...).to_json()`)."""
+    return plan_for(config, platform, devices).to_json()
+
+
+def advice(plan: Plan, config, limit_bytes: float) -> list[str]:
     """Why it does not fit and what would help, biggest contributor first."""
-    parts = {k: v for k, v in plan["per_device_bytes"].items() if k in ("params", "opt_state", "temp")}
+    rows = plan.per_device_bytes
+    parts = {"params": rows.params, "opt_state": rows.opt_state, "temp": rows.temp}
     order = sorted(parts, key=parts.get, reverse=True)
-    lines = [f"does not fit: {_size(plan['per_device_bytes']['total'])} per device > {_size(limit_bytes)}; "
+    lines = [f"does not fit: {_size(rows.total)} per device > {_size(limit_bytes)}; "
              f"biggest: " + ", ".join(f"{k} {_size(parts[k])}" for k in order[:3])]
     help_for = {
         "opt_state": f"raise zero_stage (now {config.zero_stage}) or mesh.fsdp to split optimizer state, or "
@@ -63,53 +70,52 @@ def _size(n: float) -> str:
     return f"{n:,.0f} B"
 
 
-def table(plan: dict) -> str:
+def table(plan: Plan) -> str:
     """The human-readable report."""
-    mesh = " ".join(f"{k}={v}" for k, v in plan["mesh"].items() if v > 1) or "1 device"
-    if "topology" in plan:
-        pod = plan["topology"]
-        compiler = "TPU" if plan["platform"] == "tpu" else "GPU"
-        mesh += f" on {pod['name']} ({pod['devices']} x {pod['device_kind']}, compiled by the {compiler} compiler)"
-    rows = [f"plan: {plan['num_params'] / 1e6:,.1f}M params | mesh {mesh} | zero_stage={plan['zero_stage']} | "
-            f"compute {plan['compute_dtype']} on {plan['platform']} | compiled in {plan['compile_s']}s",
+    mesh = " ".join(f"{k}={v}" for k, v in plan.mesh.items() if v > 1) or "1 device"
+    if plan.topology is not None:
+        pod = plan.topology
+        compiler = "TPU" if plan.platform == "tpu" else "GPU"
+        mesh += f" on {pod.name} ({pod.devices} x {pod.device_kind}, compiled by the {compiler} compiler)"
+    rows = [f"plan: {plan.num_params / 1e6:,.1f}M params | mesh {mesh} | zero_stage={plan.zero_stage} | "
+            f"compute {plan.compute_dtype} on {plan.platform} | compiled in {plan.compile_s}s",
             f"{'per device':<16}{'compiled':>14}{'arithmetic':>14}"]
     labels = {"params": "params", "opt_state": "opt_state", "other_args": "other inputs", "temp": "temporaries",
               "grads": "  of which grads", "outputs": "outputs (new)", "total": "total"}
     for key, label in labels.items():
-        expected = plan["expected_bytes"].get(key)
+        expected = getattr(plan.expected_bytes, key, None)
         shown = "" if expected is None else f"{_size(expected):>14}"
-        rows.append(f"{label:<16}{_size(plan['per_device_bytes'][key]):>14}{shown}")
-    host = plan.get("host_bytes", {})
+        rows.append(f"{label:<16}{_size(getattr(plan.per_device_bytes, key)):>14}{shown}")
+    host = plan.host_bytes.to_json()
     if any(host.values()):
         rows.append("in pinned host memory (offloaded; XLA:CPU counts it as device memory above): "
                     + ", ".join(f"{k} {_size(v)}" for k, v in host.items() if v))
-    pipe = plan["pipeline"]
-    if pipe["stages"] > 1:
-        rows.append(f"pipeline: {pipe['schedule']}, {pipe['stages']} stages x {pipe['virtual_stages']} virtual x "
-                    f"{pipe['microbatches']} microbatches in {pipe['ticks']} ticks: bubble "
-                    f"{100 * pipe['bubble_fraction']:.1f}% of stage-ticks, microbatches in flight per stage "
-                    f"{pipe['in_flight']}\n" + pipe["drawing"])
-    if plan.get("memory_limit_bytes"):
-        where = plan.get("topology", {}).get("name", plan["platform"])
-        rows.append(f"{'fits' if plan['fits'] else 'does not fit'}: {_size(plan['per_device_bytes']['total'])} of "
-                    f"{_size(plan['memory_limit_bytes'])} per device ({where})")
-    flops = plan["flops"]
-    compiled = ("not read (the program's matmuls are convolutions)" if flops["compiled_per_device"] is None else
-                f"{flops['compiled_per_device'] / 1e12:,.3f} T compiled")
-    rows.append(f"matmul FLOPs per device per step: {compiled}, {flops['formula_per_device'] / 1e12:,.3f} T by the "
-                "formula" + ("" if flops["ratio"] is None else f" (ratio {flops['ratio']:.2f})"))
-    rows.append("collectives per step:\n" + hlo_stats.summarize(plan["collectives"]))
-    rows.append(_by_axis_table(plan["collectives_by_axis"]))
-    rows += [f"note: {note}" for note in plan.get("notes", [])]
+    pipe = plan.pipeline
+    if pipe.stages > 1:
+        rows.append(f"pipeline: {pipe.schedule}, {pipe.stages} stages x {pipe.virtual_stages} virtual x "
+                    f"{pipe.microbatches} microbatches in {pipe.ticks} ticks: bubble "
+                    f"{100 * pipe.bubble_fraction:.1f}% of stage-ticks, microbatches in flight per stage "
+                    f"{list(pipe.in_flight)}\n" + pipe.drawing)
+    if plan.memory_limit_bytes:
+        where = plan.platform if plan.topology is None else plan.topology.name
+        rows.append(f"{'fits' if plan.fits else 'does not fit'}: {_size(plan.per_device_bytes.total)} of "
+                    f"{_size(plan.memory_limit_bytes)} per device ({where})")
+    flops = plan.flops
+    compiled = ("not read (the program's matmuls are convolutions)" if flops.compiled_per_device is None else
+                f"{flops.compiled_per_device / 1e12:,.3f} T compiled")
+    rows.append(f"matmul FLOPs per device per step: {compiled}, {flops.formula_per_device / 1e12:,.3f} T by the "
+                "formula" + ("" if flops.ratio is None else f" (ratio {flops.ratio:.2f})"))
+    rows.append("collectives per step:\n" + hlo_stats.summarize(to_json(plan.collectives)))
+    rows.append(_by_axis_table(plan.collectives_by_axis))
+    rows += [f"note: {note}" for note in plan.notes]
     return "\n".join(rows)
 
 
-def _by_axis_table(by_axis: dict) -> str:
+def _by_axis_table(by_axis: ByAxis) -> str:
     """The collectives by the mesh axes they run over, with what each device sends."""
     rows = [f"{'collective':<20}{'over':<20}{'count':>8}{'MiB sent':>14}"]
     for kind, over in by_axis.items():
-        rows += [f"{kind:<20}{axes:<20}{row['count']:>8}{row['sent_bytes'] / 2**20:>14.3f}"
-                 for axes, row in over.items()]
+        rows += [f"{kind:<20}{axes:<20}{row.count:>8}{row.sent_bytes / 2**20:>14.3f}" for axes, row in over.items()]
     return "\n".join(rows)
 
 
@@ -120,10 +126,10 @@ def _device_limit(flag: float | None) -> float | None:
     return stats.get("bytes_limit")
 
 
-def _target(flags: dict) -> tuple[str | None, list | None, float | None, dict]:
+def _target(flags: dict) -> tuple[str | None, list | None, float | None, TopologySummary | None]:
     """(platform, devices, memory limit per device, topology summary) the flags ask to plan for."""
     if not flags.get("topology"):
-        return flags.get("platform"), None, _device_limit(flags.get("device_memory_gb")), {}
+        return flags.get("platform"), None, _device_limit(flags.get("device_memory_gb")), None
     platform = topology.parse(flags["topology"]).platform
     if flags.get("platform") not in (None, platform):
         raise ConfigError("--platform", flags["platform"], f"--topology plans for {platform}; drop one of the two")
@@ -132,8 +138,8 @@ def _target(flags: dict) -> tuple[str | None, list | None, float | None, dict]:
     # store them and then fail (a warning) to read them back.
     jax.config.update("jax_enable_compilation_cache", False)
     limit = flags["device_memory_gb"] * GIB if flags.get("device_memory_gb") else topology.hbm_per_device(pod, devices)
-    return platform, devices, limit, {"name": pod.name, "slices": pod.slices, "chips_per_slice": pod.chips,
-                                   "devices": len(devices), "device_kind": devices[0].device_kind}
+    return platform, devices, limit, TopologySummary(pod.name, pod.slices, pod.chips, len(devices),
+                                                     devices[0].device_kind)
 
 
 def _plan(config, path: str, flags: dict) -> None:
@@ -144,15 +150,12 @@ def _plan(config, path: str, flags: dict) -> None:
     if flags.get("hlo"):  # the compiled step's HLO, as the compiler optimised it
         with open(flags["hlo"], "w") as file:
             file.write(compiled.as_text())
-    result = describe(config, run, compiled, seconds)
-    if pod:
-        result["topology"] = pod
+    result = dataclasses.replace(describe(config, run, compiled, seconds), topology=pod)
     if limit:
-        result["memory_limit_bytes"] = limit
-        result["fits"] = result["per_device_bytes"]["total"] <= limit
-    warnings = advice(result, config, limit) if limit and not result["fits"] else []
-    result["warnings"] = warnings
-    print(json.dumps(result, indent=2) if flags.get("json") else table(result))
+        result = dataclasses.replace(result, memory_limit_bytes=limit, fits=result.per_device_bytes.total <= limit)
+    warnings = advice(result, config, limit) if limit and not result.fits else []
+    result = dataclasses.replace(result, warnings=tuple(warnings))
+    print(json.dumps(result.to_json(), indent=2) if flags.get("json") else table(result))
     for line in warnings if not flags.get("json") else []:
         print(line, file=sys.stderr)
 

@@ -19,7 +19,6 @@ from jaxscale import guard as guard_lib
 from jaxscale import state as state_lib
 from jaxscale.guard import GuardSpec
 from jaxscale.models import LanguageModel, moe
-from jaxscale.models.precision import compute_dtype  # noqa: F401  (re-exported for callers)
 from jaxscale.offload import has_host, on_device
 from jaxscale.parallel import microbatch
 from jaxscale.sharding import Layout

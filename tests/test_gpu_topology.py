@@ -8,7 +8,7 @@ import pytest
 from conftest import ROOT, run_cli
 from jaxscale import cli
 from jaxscale.analysis import mfu, topology
-from jaxscale.analysis.gpu_targets import GPUS
+from jaxscale.analysis.hardware import GPUS
 from jaxscale.errors import ConfigError
 from sends import Sizes, assert_sends
 

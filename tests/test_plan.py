@@ -9,8 +9,9 @@ import pytest
 from conftest import ROOT, main_cli, run_cli
 from jaxscale import config as config_lib
 from jaxscale.analysis import mfu
+from jaxscale.analysis.plan_types import Plan
 from jaxscale.models import model_from_config
-from jaxscale.plan import advice, compile_plan, describe, make_plan
+from jaxscale.plan import advice, compile_plan, describe, make_plan, table
 from sends import Sizes, assert_sends, param_groups, state_bytes, vocabulary_arrays
 
 BATCH_BYTES = 2 * 32 * 128 * 4  # inputs + targets, int32, tiny config at batch 32 (a whole copy at most)
@@ -65,23 +66,23 @@ def plans(compiled):
 
 
 def test_fsdp_splits_params_and_zero1_splits_only_optimizer_state(plans):
-    dp, fsdp, zero1 = (plans[k]["per_device_bytes"] for k in ("data8", "fsdp8", "zero1"))
-    assert fsdp["params"] == pytest.approx(dp["params"] / 8, rel=0.05)
-    assert fsdp["opt_state"] == pytest.approx(dp["opt_state"] / 8, rel=0.05)
-    assert zero1["opt_state"] == pytest.approx(dp["opt_state"] / 8, rel=0.05)
-    assert zero1["params"] == dp["params"]
+    dp, fsdp, zero1 = (plans[k].per_device_bytes for k in ("data8", "fsdp8", "zero1"))
+    assert fsdp.params == pytest.approx(dp.params / 8, rel=0.05)
+    assert fsdp.opt_state == pytest.approx(dp.opt_state / 8, rel=0.05)
+    assert zero1.opt_state == pytest.approx(dp.opt_state / 8, rel=0.05)
+    assert zero1.params == dp.params
 
 
-def _assert_state_matches_config(plan: dict, config) -> None:
+def _assert_state_matches_config(plan: Plan, config) -> None:
     """The state each device holds, as the compiled step's shardings place it, against the
     arithmetic from the config alone (its mesh, ZeRO stage and model), never from the layout the
     planner built: a layout that split less than the config asks (a ZeRO stage dropped on the
     way) fails here, as does the planner's own arithmetic column if it drifts."""
-    assert sum(param_groups(config).values()) == plan["num_params"]
-    got, want = plan["per_device_bytes"], state_bytes(config, 8)
+    assert sum(param_groups(config).values()) == plan.num_params
+    got, want = plan.per_device_bytes, state_bytes(config, 8)
     for key in ("params", "grads", "opt_state"):
-        assert got[key] == pytest.approx(want[key], rel=0.01), key
-        assert plan["expected_bytes"][key] == pytest.approx(want[key], rel=1e-6), key
+        assert getattr(got, key) == pytest.approx(want[key], rel=0.01), key
+        assert getattr(plan.expected_bytes, key) == pytest.approx(want[key], rel=1e-6), key
 
 
 @pytest.mark.parametrize("name", ["data8", "fsdp8", "zero1", "zero2_accum4", "zero3", "data2_fsdp4", "mixed",
@@ -92,8 +93,8 @@ def test_compiled_state_bytes_match_the_arithmetic(plans, name):
     gradients are among its temporaries."""
     plan = plans[name]
     _assert_state_matches_config(plan, _layout_config(name))
-    got = plan["per_device_bytes"]
-    assert 0 <= got["other_args"] <= BATCH_BYTES + 1024 and got["grads"] <= got["temp"]
+    got = plan.per_device_bytes
+    assert 0 <= got.other_args <= BATCH_BYTES + 1024 and got.grads <= got.temp
 
 
 @pytest.mark.parametrize("name, wrong", [("zero3", {"zero_stage": 0}), ("zero2_accum4", {"zero_stage": 1})],
@@ -117,7 +118,7 @@ def test_a_layout_that_splits_less_than_the_config_asks_fails_the_byte_check(mon
     monkeypatch.setattr(build, "layout_from_config", dropped)
     config = _layout_config(name)
     plan = describe(config, *compile_plan(config, "cpu"))
-    assert plan["zero_stage"] == wrong["zero_stage"]  # the fault was planted
+    assert plan.zero_stage == wrong["zero_stage"]  # the fault was planted
     with pytest.raises(AssertionError, match=r"^(params|grads|opt_state)\b"):  # a state row, not the count
         _assert_state_matches_config(plan, config)
 
@@ -127,13 +128,13 @@ def test_zero2_accumulates_into_its_split_of_the_gradients(plans):
     over `data`, so no device holds a whole second copy, as ZeRO-1 does (its sum is whole until
     the step's one all-reduce). Measured: temp 8.00 MiB against ZeRO-1's 10.59 MiB, gradients 1.63 MiB."""
     zero1, zero2 = plans["zero1_accum4"], plans["zero2_accum4"]
-    whole = zero1["per_device_bytes"]["grads"]  # ZeRO-1 keeps gradients whole
-    assert zero2["per_device_bytes"]["grads"] == pytest.approx(whole / 8, rel=0.05)
-    assert zero2["per_device_bytes"]["temp"] <= zero1["per_device_bytes"]["temp"] - (1 - 1 / 8) * whole
+    whole = zero1.per_device_bytes.grads  # ZeRO-1 keeps gradients whole
+    assert zero2.per_device_bytes.grads == pytest.approx(whole / 8, rel=0.05)
+    assert zero2.per_device_bytes.temp <= zero1.per_device_bytes.temp - (1 - 1 / 8) * whole
     # The reduction runs per microbatch inside the accumulation loop: 4 of them, each of the
     # whole gradient (XLA:CPU writes reduce-scatter as all-reduce + slice), against ZeRO-1's one.
-    assert zero1["collectives"]["all-reduce"]["bytes"] == pytest.approx(whole, rel=0.01)
-    assert zero2["collectives"]["all-reduce"]["bytes"] >= 4 * whole
+    assert zero1.collectives["all-reduce"].bytes == pytest.approx(whole, rel=0.01)
+    assert zero2.collectives["all-reduce"].bytes >= 4 * whole
 
 
 @pytest.mark.parametrize("name", ["data8", "fsdp8", "mixed"])
@@ -147,22 +148,22 @@ def test_compiled_matmul_flops_match_the_formula(plans, name):
                                                             config.train.seq_len)
     if config.mesh.fsdp > 1:
         recompute += 2 * config.model.d_model * config.model.vocab_size
-    formula = plans[name]["flops"]["formula_per_device"]
-    per_device = config.train.global_batch_size * config.train.seq_len / math.prod(plans[name]["mesh"].values())
-    assert plans[name]["flops"]["ratio"] == pytest.approx(1.0 + recompute * per_device / formula, abs=0.005)
+    formula = plans[name].flops.formula_per_device
+    per_device = config.train.global_batch_size * config.train.seq_len / math.prod(plans[name].mesh.values())
+    assert plans[name].flops.ratio == pytest.approx(1.0 + recompute * per_device / formula, abs=0.005)
 
 
 def test_zero_stages_move_collectives(plans):
-    dp, fsdp = plans["data8"]["collectives"], plans["fsdp8"]["collectives"]
-    gradient_bytes = 4 * plans["data8"]["num_params"]  # fp32 gradients of every parameter
+    dp, fsdp = plans["data8"].collectives, plans["fsdp8"].collectives
+    gradient_bytes = 4 * plans["data8"].num_params  # fp32 gradients of every parameter
     # data parallel: the whole gradient all-reduced once, no gathers. The tied embedding's two
     # gradient terms (the lookup's and the output head's) are reduced separately before they
     # are summed: one more vocab x d_model (256 x 128 on tiny), and a few scalars.
     tied = 4 * 256 * 128
-    assert dp["all-reduce"]["bytes"] == pytest.approx(gradient_bytes + tied, rel=1e-3)
-    assert dp["all-gather"]["count"] == 0
-    assert fsdp["all-gather"]["bytes"] >= 0.95 * gradient_bytes  # every parameter gathered whole before use
-    assert plans["zero3"]["collectives"]["all-gather"]["bytes"] >= 0.95 * gradient_bytes
+    assert dp["all-reduce"].bytes == pytest.approx(gradient_bytes + tied, rel=1e-3)
+    assert dp["all-gather"].count == 0
+    assert fsdp["all-gather"].bytes >= 0.95 * gradient_bytes  # every parameter gathered whole before use
+    assert plans["zero3"].collectives["all-gather"].bytes >= 0.95 * gradient_bytes
 
 
 # What each layout sends per step: the collectives spec. tiny.py (tiny_moe.py for experts) in
@@ -244,7 +245,8 @@ COLLECTIVES_SPEC = {
 
 @pytest.mark.parametrize("name", list(COLLECTIVES_SPEC))
 def test_each_layout_sends_what_the_spec_says_over_the_axes_it_names(plans, name):
-    assert_sends(plans[name], COLLECTIVES_SPEC[name], Sizes.of(_layout_config(name), plans[name]))
+    plan = plans[name].to_json()  # as --json prints it
+    assert_sends(plan, COLLECTIVES_SPEC[name], Sizes.of(_layout_config(name), plan))
 
 
 @pytest.mark.parametrize("name", ["tensor4_sp", "fsdp8", "zero3", "mixed"])
@@ -264,6 +266,27 @@ def test_advice_names_the_biggest_contributor(plans):
     config = config_lib.load(str(ROOT / "configs" / "tiny.py"))
     lines = advice(plans["data8"], config, limit_bytes=1024)
     assert lines[0].startswith("does not fit") and "temp" in lines[0] and "model.remat" in lines[1]
+
+
+JSON_KEYS = ["mesh", "zero_stage", "remat", "pipeline", "platform", "compute_dtype", "num_params", "compile_s",
+             "per_device_bytes", "argument_bytes", "compiled_bytes", "host_bytes", "expected_bytes", "collectives",
+             "collectives_by_axis", "flops", "expected", "notes"]
+
+
+def test_the_plans_json_has_the_keys_it_always_had(plans):
+    """`to_json()` is the contract `--json` prints: these keys in this order (the target's four are
+    added by the CLI), rows as plain dicts and lists, a pipeline's details only with a pipeline."""
+    pipelined, flat = plans["pipeline2_gpipe"].to_json(), plans["data8"].to_json()
+    assert list(flat) == JSON_KEYS and json.loads(json.dumps(pipelined)) == pipelined
+    assert list(flat["pipeline"]) == ["stages", "schedule", "microbatches", "virtual_stages", "bubble_fraction"]
+    assert list(pipelined["pipeline"]) == ["stages", "schedule", "microbatches", "virtual_stages", "ticks",
+                                           "bubble_fraction", "in_flight", "drawing"]
+    assert list(flat["per_device_bytes"]) == ["params", "opt_state", "other_args", "temp", "outputs", "total",
+                                              "grads"]
+    assert flat["per_device_bytes"]["total"] == sum(list(flat["per_device_bytes"].values())[:5])
+    assert list(flat["collectives_by_axis"]["all-reduce"]["data"]) == ["count", "bytes", "sent_bytes"]
+    assert list(flat["expected"]) == ["dot_flops", "collectives_by_axis"] and isinstance(flat["notes"], list)
+    assert "pipeline: gpipe, 2 stages" in table(plans["pipeline2_gpipe"])
 
 
 def test_cli_json_reports_the_arithmetic():
@@ -317,12 +340,12 @@ def test_pipeline_schedule_is_drawn_with_its_bubble(plans, name):
     """From the config's P stages, M microbatches and V virtual stages a device (GPipe: 1): each
     stage runs VM forwards and VM backwards in 2(VM + P - 1) ticks, idle in 2(P - 1) of them
     ((P-1)/(VM+P-1) of the stage-ticks), holding all VM microbatches' activations at once."""
-    config, pipe = _layout_config(name), plans[name]["pipeline"]
+    config, pipe = _layout_config(name), plans[name].pipeline
     p, m = config.mesh.pipeline, config.pipeline.microbatches
     v = config.pipeline.virtual_stages
-    assert pipe["ticks"] == 2 * (v * m + p - 1) and pipe["in_flight"] == [v * m] * p
-    assert pipe["bubble_fraction"] == pytest.approx((p - 1) / (v * m + p - 1))
-    assert pipe["drawing"] == _drawing(p, v * m)
+    assert pipe.ticks == 2 * (v * m + p - 1) and pipe.in_flight == (v * m,) * p
+    assert pipe.bubble_fraction == pytest.approx((p - 1) / (v * m + p - 1))
+    assert pipe.drawing == _drawing(p, v * m)
 
 
 def test_planning_a_gpu_run_on_a_cpu_host():

@@ -11,6 +11,7 @@ import pytest
 from conftest import ROOT, main_cli
 from jaxscale import cli
 from jaxscale.analysis import cost, layouts, search
+from jaxscale.analysis.plan_types import AxisCollective, EstimatedBytes, ExpectedRun, Flops, PipelineSummary, StepWork
 from jaxscale.errors import ConfigError
 from jaxscale.validate import validate
 
@@ -42,11 +43,13 @@ MACHINE = cost.Machine("test", peak_flops=1e15, efficiency=0.5, memory_bytes=80e
                        fast=400e9, slow=50e9, fast_domain=8, latency_s=1e-5)
 
 
-def _plan(mesh, by_axis, flops=1e15, stages=1, bubble=0.0):
-    return {"mesh": mesh, "flops": {"compiled_per_device": flops, "formula_per_device": flops},
-            "pipeline": {"stages": stages, "bubble_fraction": bubble},
-            "per_device_bytes": {"params": 1e9, "opt_state": 2e9, "temp": 5e9},
-            "collectives_by_axis": {"all-gather": by_axis}}
+def _rows(by_axis):
+    return {"all-gather": {axes: AxisCollective(**row) for axes, row in by_axis.items()}}
+
+
+def _plan(mesh, by_axis, flops=1e15, stages=1, bubble=0.0, expected=None):
+    return StepWork(mesh, "none", PipelineSummary(stages=stages, bubble_fraction=bubble), Flops(flops, flops),
+                    EstimatedBytes(params=1e9, opt_state=2e9, temp=5e9, total=8e9), _rows(by_axis), expected)
 
 
 def test_the_step_time_model_by_hand():
@@ -64,10 +67,9 @@ def test_the_step_time_model_by_hand():
     assert got.step_s == pytest.approx(2.0 + 9.5e-3 + 0.021)
     slow = cost.predict(_plan(mesh, {"data": {"count": 1, "sent_bytes": 200e9}}), MACHINE, {"data": 2})
     assert slow.step_s == pytest.approx(4.0 + 1e-5 + 9.5e-3)  # hidden no longer: the collective is the longer
-    piped = _plan(mesh, {"tensor": {"count": 100, "sent_bytes": 8e9}}, stages=2, bubble=0.2)
     # what the step is expected to run (its executor's branches by their share) is what is priced
-    piped["expected"] = {"dot_flops": 3e15, "collectives_by_axis": {"all-gather": {
-        "tensor": {"count": 40, "sent_bytes": 3.2e9}}}}
+    expected = ExpectedRun(3e15, _rows({"tensor": {"count": 40, "sent_bytes": 3.2e9}}))
+    piped = _plan(mesh, {"tensor": {"count": 100, "sent_bytes": 8e9}}, stages=2, bubble=0.2, expected=expected)
     got = cost.predict(piped, MACHINE)
     # a stage's share of the formula, its forward again (stages are rematerialised), over the ticks not idle
     assert got.compute_s == pytest.approx(2.0 * 4 / 3 / 0.8)

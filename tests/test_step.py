@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from conftest import build_for, initial_state
 from jaxscale.config import defaults
 from jaxscale.models import ModelSpec
-from jaxscale.step import compute_dtype
+from jaxscale.models.precision import compute_dtype
 
 SPEC = ModelSpec(num_layers=2, d_model=64, num_heads=8, num_kv_heads=4, d_ff=128)
 

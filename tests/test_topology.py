@@ -113,19 +113,19 @@ def _tpu_config(name):
 @pytest.fixture(scope="module")
 def v5e8_plans():
     devices, _ = topology.compile_only_devices("v5e-8")
-    return {name: plan_lib.make_plan(_tpu_config(name), "tpu", devices) for name in TPU_LAYOUTS}
+    return {name: plan_lib.plan_for(_tpu_config(name), "tpu", devices) for name in TPU_LAYOUTS}
 
 
 @pytest.mark.parametrize("name", list(TPU_COLLECTIVES_SPEC))
 def test_the_tpu_compiler_sends_what_the_spec_says(v5e8_plans, name):
-    plan = v5e8_plans[name]
+    plan = v5e8_plans[name].to_json()  # as --json prints it
     assert_sends(plan, TPU_COLLECTIVES_SPEC[name], Sizes.of(_tpu_config(name), plan))
 
 
 def test_a_tpu_plan_does_not_report_matmul_flops_it_cannot_read(v5e8_plans):
     # The TPU compiler writes matmuls as convolutions: the compiled count stays unknown, not 0.
-    flops = v5e8_plans["data8"]["flops"]
-    assert flops["compiled_per_device"] is None and flops["ratio"] is None and flops["formula_per_device"] > 0
+    flops = v5e8_plans["data8"].flops
+    assert flops.compiled_per_device is None and flops.ratio is None and flops.formula_per_device > 0
     assert "not read" in plan_lib.table(v5e8_plans["data8"])
 
 
@@ -241,7 +241,7 @@ def pod_fsdp32():
     devices, _ = topology.compile_only_devices("v5p-64")
     config = cli.load_config(str(ROOT / "configs" / "llama3_8b.py"), POD)
     run, compiled, seconds = plan_lib.compile_plan(config, "tpu", devices)
-    return config, plan_lib.describe(config, run, compiled, seconds), compiled.as_text()
+    return config, plan_lib.describe(config, run, compiled, seconds).to_json(), compiled.as_text()
 
 
 def test_a_pod_gathers_weights_reduce_scatters_gradients_and_exchanges_rows(pod_fsdp32):

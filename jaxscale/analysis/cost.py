@@ -29,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxscale.analysis.plan_types import StepWork
+
 OVERLAPPED = frozenset({"data", "fsdp", "pipeline"})
 FULL_REMAT_FACTOR = 4 / 3  # the forward pass again in the backward: 8N against 6N FLOPs a token
 
@@ -77,35 +79,37 @@ def link_speed(machine: Machine, axes: str, mesh: dict[str, int], dcn: dict[str,
     return machine.fast
 
 
-def matmul_flops(plan: dict, shared_cores: bool = False) -> float:
+def matmul_flops(work: StepWork, shared_cores: bool = False) -> float:
     """Matmul FLOPs per device per step: the compiled program's expected run (a conditional's
     branches by their share) where the compiler writes dots; the formula's (x 4/3 with full remat
     and in a pipeline, whose stages are rematerialised whole) where it writes convolutions (the
     TPU compiler), for an estimate, and in a pipeline on devices that run in parallel, whose step
     is a stage's work over the ticks that are not bubble."""
-    flops = plan["flops"]
-    compiled = plan.get("expected", {}).get("dot_flops", flops["compiled_per_device"])
-    if compiled is not None and (shared_cores or plan["pipeline"]["stages"] == 1):
+    flops, stages = work.flops, work.pipeline.stages
+    compiled = flops.compiled_per_device if work.expected is None else work.expected.dot_flops
+    if compiled is not None and (shared_cores or stages == 1):
         return compiled
-    recomputed = plan.get("remat") == "full" or plan["pipeline"]["stages"] > 1  # a stage is rematerialised whole
-    return flops["formula_per_device"] * (FULL_REMAT_FACTOR if recomputed else 1.0)
+    recomputed = work.remat == "full" or stages > 1  # a stage is rematerialised whole
+    return flops.formula_per_device * (FULL_REMAT_FACTOR if recomputed else 1.0)
 
 
-def predict(plan: dict, machine: Machine, dcn: dict[str, int] | None = None) -> Prediction:
-    """The predicted step time of a plan (jaxscale.plan.describe's dict) on `machine`."""
-    mesh, dcn = plan["mesh"], dcn or {}
-    work = math.prod(mesh.values()) if machine.shared_cores else 1
-    bubble = plan["pipeline"]["bubble_fraction"]
+def predict(work: StepWork, machine: Machine, dcn: dict[str, int] | None = None) -> Prediction:
+    """The predicted step time on `machine` of a step (a compiled plan's `Plan.work`, or a
+    layout's estimate); with `work.expected`, its expected run's collectives are priced."""
+    mesh, dcn = work.mesh, dcn or {}
+    devices = math.prod(mesh.values()) if machine.shared_cores else 1  # whose work adds up
+    bubble = work.pipeline.bubble_fraction
     idle = 1.0 if machine.shared_cores else 1 - bubble  # shared cores: an idle stage's tick frees them
-    compute = work * matmul_flops(plan, machine.shared_cores) / (machine.peak_flops * machine.efficiency) / idle
-    rows = plan["per_device_bytes"]
-    memory = work * (3 * (rows["params"] + rows["opt_state"]) + 2 * rows["temp"]) / machine.memory_bandwidth
+    compute = devices * matmul_flops(work, machine.shared_cores) / (machine.peak_flops * machine.efficiency) / idle
+    rows = work.per_device_bytes
+    memory = devices * (3 * (rows.params + rows.opt_state) + 2 * rows.temp) / machine.memory_bandwidth
+    collectives = work.collectives_by_axis if work.expected is None else work.expected.collectives_by_axis
     by_axis: dict[str, float] = {}
-    for over in plan.get("expected", plan)["collectives_by_axis"].values():
+    for over in collectives.values():
         for axes, row in over.items():
             if axes in ("", "none"):
                 continue
-            seconds = row["sent_bytes"] / link_speed(machine, axes, mesh, dcn) + row["count"] * machine.latency_s
+            seconds = row.sent_bytes / link_speed(machine, axes, mesh, dcn) + row.count * machine.latency_s
             by_axis[axes] = by_axis.get(axes, 0.0) + seconds
     hidden = sum(t for axes, t in by_axis.items() if set(axes.split("+")) <= OVERLAPPED)
     exposed = sum(by_axis.values()) - hidden

@@ -4,8 +4,8 @@ A layout is a set of config overrides: every mesh axis (`mesh.data` ... `mesh.ex
 `mesh_dcn.data` across slices or hosts), `zero_stage`, `model.remat`, and with a pipeline its
 schedule and microbatches. `candidates` yields those the model and the devices allow (heads, KV
 heads, layers, experts, sequence and batch divisible as each axis needs; tensor and sequence
-inside one fast domain); `estimate` gives each one's per-device memory and a plan-shaped dict of
-its FLOPs and collectives by arithmetic, which jaxscale.analysis.cost prices like a compiled plan.
+inside one fast domain); `estimate` gives each one's per-device memory, FLOPs and collectives by
+arithmetic as the StepWork that jaxscale.analysis.cost prices, as it prices a compiled plan's.
 """
 
 from __future__ import annotations
@@ -14,16 +14,17 @@ import dataclasses
 import itertools
 import math
 
+from jaxscale.analysis.plan_types import AxisCollective, EstimatedBytes, Flops, PipelineSummary, StepWork
 from jaxscale.analysis.state_bytes import expected_bytes
 from jaxscale.names import AXES
 from jaxscale.parallel import schedules
 
 REMATS = ("none", "dots_saveable", "full")
-SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2))
+SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2))  # (schedule, virtual stages) a search tries
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class Candidate:
     """One candidate: mesh sizes (whole mesh; `dcn_data` of `data` cross slow links), ZeRO stage,
     remat, and the pipeline's schedule, microbatches and virtual stages."""
 
@@ -98,17 +99,17 @@ def candidates(config, devices: int, slices: int, fast_domain: int, remats=REMAT
         stages = (range(4) if slices > 1 else range(3)) if data > 1 else (0,)
         for zero, remat in itertools.product(stages, remats):
             if pipeline == 1:
-                yield Layout(mesh, slices, zero, remat)
+                yield Candidate(mesh, slices, zero, remat)
                 continue
             # beside context parallelism the stages run by autodiff through GPipe's forward
-            for (schedule, virtual), factor in itertools.product(SCHEDULES if sequence == 1 else (("gpipe", 1),),
-                                                                 (1, 2, 4)):
+            schedules_here = SEARCHED_SCHEDULES if sequence == 1 else (("gpipe", 1),)
+            for (schedule, virtual), factor in itertools.product(schedules_here, (1, 2, 4)):
                 micro = pipeline * factor
                 if local % micro == 0 and m.num_layers % (pipeline * virtual) == 0:
-                    yield Layout(mesh, slices, zero, remat, schedule, micro, virtual)
+                    yield Candidate(mesh, slices, zero, remat, schedule, micro, virtual)
 
 
-def bubble(layout: Layout) -> float:
+def bubble(layout: Candidate) -> float:
     """The schedule table's idle share of stage-ticks (0 without a pipeline)."""
     p = layout.sizes["pipeline"]
     if p == 1:
@@ -116,9 +117,9 @@ def bubble(layout: Layout) -> float:
     return schedules.build(layout.schedule, p, layout.microbatches, layout.virtual).bubble()
 
 
-def estimate(config, layout: Layout, counts: dict[str, int], flops_per_token: float) -> dict:
-    """A plan-shaped dict of `layout` by arithmetic (jaxscale.plan.describe's keys that the cost
-    model reads), with "estimate_total" the per-device bytes: state + saved activations + logits."""
+def estimate(config, layout: Candidate, counts: dict[str, int], flops_per_token: float) -> StepWork:
+    """What a step of `layout` runs, by arithmetic (the parts of a compiled plan the cost model
+    reads), with `per_device_bytes.total` the per-device peak: state + saved activations + logits."""
     m, t, s = config.model, config.train, layout.sizes
     width = 4 if m.dtype == "float32" else 2
     tokens = t.global_batch_size * t.seq_len
@@ -132,14 +133,11 @@ def estimate(config, layout: Layout, counts: dict[str, int], flops_per_token: fl
     total = state["params"] + state["grads"] + state["opt_state"] + activations * in_flight + 2 * logits
     model_bytes = width * (counts["layers"] - counts["experts"] + counts["experts"] / s["expert"]
                            + counts["other"]) / (s["tensor"] * s["pipeline"])
-    return {"mesh": s, "remat": layout.remat, "estimate_total": total,
-            "pipeline": {"stages": s["pipeline"], "bubble_fraction": bubble(layout)},
-            "flops": {"compiled_per_device": None,
-                      "formula_per_device": flops_per_token * tokens / math.prod(s.values())},
-            "per_device_bytes": {"params": state["params"], "opt_state": state["opt_state"],
-                                 "temp": activations * in_flight + state["grads"]},
-            "collectives_by_axis": {"estimate": _collectives(config, layout, tokens / batch / s["sequence"],
-                                                             model_bytes, width)}}
+    temp = activations * in_flight + state["grads"]
+    return StepWork(s, layout.remat, PipelineSummary(stages=s["pipeline"], bubble_fraction=bubble(layout)),
+                    Flops(None, flops_per_token * tokens / math.prod(s.values())),
+                    EstimatedBytes(state["params"], state["opt_state"], temp, total),
+                    {"estimate": _collectives(config, layout, tokens / batch / s["sequence"], model_bytes, width)})
 
 
 def _saved_per_token(m, remat: str, tensor: int) -> float:
@@ -153,9 +151,9 @@ def _saved_per_token(m, remat: str, tensor: int) -> float:
     return (4 * m.d_model + kv + 4 * m.d_ff) / tensor + 4 * m.d_model
 
 
-def _collectives(config, layout: Layout, tokens: float, model_bytes: float,
-                 width: int) -> dict[str, dict[str, float]]:
-    """{mesh axis: {"count", "sent_bytes"}} a device runs a step (`tokens`: its tokens a step;
+def _collectives(config, layout: Candidate, tokens: float, model_bytes: float,
+                 width: int) -> dict[str, AxisCollective]:
+    """{mesh axis: its collectives' count and sent bytes} a device runs a step (`tokens`: its tokens a step;
     `width`: the bytes of an element), by ring arithmetic: weights gathered twice and gradients
     reduce-scattered over fsdp (and over data at ZeRO-3; gradients all-reduced over data below
     it), two all-reduces of the activations a layer forward and two backward over tensor (three
@@ -172,24 +170,24 @@ def _collectives(config, layout: Layout, tokens: float, model_bytes: float,
         return (n - 1) / n
 
     if s["fsdp"] > 1:
-        rows["fsdp"] = {"count": 3 * layers, "sent_bytes": 3 * model_bytes * ring(s["fsdp"])}
+        rows["fsdp"] = AxisCollective(count=3 * layers, sent_bytes=3 * model_bytes * ring(s["fsdp"]))
     if s["data"] > 1:
         shard = model_bytes / s["fsdp"]
         passes = 3 if layout.zero_stage == 3 else 2
-        rows["data"] = {"count": passes * layers, "sent_bytes": passes * shard * ring(s["data"])}
+        rows["data"] = AxisCollective(count=passes * layers, sent_bytes=passes * shard * ring(s["data"]))
     if s["tensor"] > 1:
         passes = 6 if layout.remat == "full" else 4
-        rows["tensor"] = {"count": passes * layers * chunks,
-                          "sent_bytes": passes * layers * 2 * act * ring(s["tensor"])}
+        rows["tensor"] = AxisCollective(count=passes * layers * chunks,
+                                        sent_bytes=passes * layers * 2 * act * ring(s["tensor"]))
     if s["sequence"] > 1:
         kv = act * 2 * m.num_kv_heads / m.num_heads
-        rows["sequence"] = {"count": 3 * layers * (s["sequence"] - 1) * chunks,
-                            "sent_bytes": 3 * layers * kv * (s["sequence"] - 1)}
+        rows["sequence"] = AxisCollective(count=3 * layers * (s["sequence"] - 1) * chunks,
+                                          sent_bytes=3 * layers * kv * (s["sequence"] - 1))
     if s["expert"] > 1:
         moe_layers = layers / max(1, m.moe.every_n_layers)
-        rows["expert"] = {"count": 4 * moe_layers * chunks,
-                          "sent_bytes": 4 * moe_layers * act * m.moe.top_k * ring(s["expert"])}
+        rows["expert"] = AxisCollective(count=4 * moe_layers * chunks,
+                                        sent_bytes=4 * moe_layers * act * m.moe.top_k * ring(s["expert"]))
     if s["pipeline"] > 1:
-        rows["pipeline"] = {"count": 2 * layout.microbatches * layout.virtual,
-                            "sent_bytes": 2 * act * layout.virtual}
+        rows["pipeline"] = AxisCollective(count=2 * layout.microbatches * layout.virtual,
+                                          sent_bytes=2 * act * layout.virtual)
     return rows

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxscale.analysis import gpu_targets, topology
+from jaxscale.analysis import hardware, topology
 from jaxscale.analysis.cost import Machine
 from jaxscale.analysis.mfu import peak_tflops
 
@@ -34,15 +34,16 @@ def for_pod(pod: topology.Pod, devices: list) -> Machine:
     memory = topology.hbm_per_device(pod, devices)
     peak = peak_tflops(devices[0].device_kind) * 1e12 * per_chip
     if pod.platform == "gpu":
-        gpu = gpu_targets.GPUS[pod.generation]
-        return Machine(pod.name, peak, GPU_EFFICIENCY, memory, gpu.memory_bandwidth, gpu_targets.NVLINK / 2,
-                       gpu_targets.NETWORK_PER_GPU, gpu_targets.GPUS_PER_HOST, GPU_LATENCY_S,
+        gpu = hardware.GPUS[pod.generation]
+        return Machine(pod.name, peak, GPU_EFFICIENCY, memory, gpu.memory_bandwidth, hardware.NVLINK / 2,
+                       hardware.NETWORK_PER_GPU, hardware.GPUS_PER_HOST, GPU_LATENCY_S,
                        assumptions=(f"matmuls at {GPU_EFFICIENCY:.1%} of peak (calibrated on llama_1b, one H200)",
                                     f"{GPU_LATENCY_S * 1e6:.0f} us a collective",
                                     "data/fsdp/pipeline collectives hidden under compute"))
-    hbm, ici, dcn = topology.BANDWIDTH[pod.generation]
-    return Machine(pod.name, peak, GPU_EFFICIENCY, memory, hbm * per_chip, ici / 2 * per_chip, dcn * per_chip,
-                   len(devices) // pod.slices, TPU_LATENCY_S,
+    chip = hardware.TPUS[pod.generation]
+    return Machine(pod.name, peak, GPU_EFFICIENCY, memory, chip.hbm_bandwidth * per_chip,
+                   chip.ici_bandwidth / 2 * per_chip, chip.dcn_bandwidth * per_chip, len(devices) // pod.slices,
+                   TPU_LATENCY_S,
                    assumptions=(f"matmuls at {GPU_EFFICIENCY:.1%} of peak (the H200's, no TPU step measured)",
                                 "a collective gets the chip's whole ICI bandwidth one way",
                                 f"{TPU_LATENCY_S * 1e6:.0f} us a collective",

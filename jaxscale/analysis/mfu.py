@@ -1,4 +1,5 @@
-"""Model FLOPs utilisation (PaLM convention): FLOPs per token and the peak table.
+"""Model FLOPs utilisation (PaLM convention): FLOPs per token, and the peak of a device (from
+jaxscale.analysis.hardware's table).
 The writers of metrics (JSONL, TensorBoard, MLflow, W&B) live in jaxscale.tracking."""
 
 from __future__ import annotations
@@ -7,16 +8,10 @@ import math
 
 import jax
 
+from jaxscale.analysis.hardware import PEAK_TFLOPS
 from jaxscale.errors import require_non_negative
 from jaxscale.models.moe import expert_param_count
 
-# Dense bf16 peak TFLOP/s per device (no sparsity), matched against jax's device_kind in order.
-PEAK_TFLOPS = (
-    ("H100 PCIe", 756.0), ("H100", 989.0), ("H200", 989.0), ("H800", 989.0), ("GH200", 989.0),
-    ("A100", 312.0), ("A800", 312.0), ("L40S", 362.0), ("B200", 2250.0),
-    ("TPU v4", 275.0), ("TPU v5 lite", 197.0), ("TPU v5e", 197.0), ("TPU v5p", 459.0), ("TPU v5", 459.0),
-    ("TPU v6 lite", 918.0), ("TPU v6e", 918.0), ("TPU7x", 2307.0),
-)
 EMBEDDING_PARAMS = ("embed", "pos_embed")  # lookups: excluded from N (a tied head counts again)
 
 

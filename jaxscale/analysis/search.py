@@ -32,6 +32,7 @@ import ml_collections
 
 from jaxscale.analysis import cost, layouts
 from jaxscale.analysis.mfu import active_params, flops_per_token
+from jaxscale.analysis.plan_types import Plan, StepWork
 from jaxscale.analysis.state_bytes import param_counts
 from jaxscale.errors import ConfigError
 from jaxscale.names import AXES
@@ -56,7 +57,7 @@ class Target:
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-    layout: layouts.Layout
+    layout: layouts.Candidate
     total_bytes: float          # compiled, per device
     fits: bool
     prediction: cost.Prediction
@@ -75,14 +76,14 @@ def _model_numbers(config) -> tuple[dict[str, int], float]:
                                                 config.train.seq_len)
 
 
-def ranked_estimates(config, target: Target) -> list[tuple[float, layouts.Layout, dict]]:
+def ranked_estimates(config, target: Target) -> list[tuple[float, layouts.Candidate, StepWork]]:
     """(predicted seconds, layout, estimate) of every candidate whose estimate fits, fastest first.
     Raises ConfigError (naming the topology) when none fits, with the devices the state needs."""
     counts, per_token = _model_numbers(config)
     machine, found = target.machine, []
     for layout in layouts.candidates(config, target.devices, target.slices, machine.fast_domain):
         guess = layouts.estimate(config, layout, counts, per_token)
-        if guess["estimate_total"] <= MARGIN * machine.memory_bytes:
+        if guess.per_device_bytes.total <= MARGIN * machine.memory_bytes:
             found.append((cost.predict(guess, machine).step_s, layout, guess))
     if not found:
         raise ConfigError("--topology", target.name or f"{target.devices} devices", _too_small(counts, target))
@@ -100,7 +101,7 @@ def _too_small(counts: dict[str, int], target: Target) -> str:
             f"{need} devices, activations more; plan for a larger topology")
 
 
-def _picked(ranked, config, target: Target, count: int, spread: bool = False) -> list[layouts.Layout]:
+def _picked(ranked, config, target: Target, count: int, spread: bool = False) -> list[layouts.Candidate]:
     """The `count` best distinct layouts that validate, pure FSDP over every device, and with
     `spread` the best of each combination of split axes (one fsdp-and-tensor, one pipelined, ...)."""
     chosen, families = [], set()
@@ -116,14 +117,14 @@ def _picked(ranked, config, target: Target, count: int, spread: bool = False) ->
     return chosen
 
 
-def fsdp_baseline(config, target: Target) -> layouts.Layout:
+def fsdp_baseline(config, target: Target) -> layouts.Candidate:
     """Pure FSDP over every device of a slice (data over the slices), ZeRO 0, the config's remat."""
     sizes = dict.fromkeys(AXES, 1)
     sizes.update(data=target.slices, fsdp=target.devices // target.slices)
-    return layouts.Layout(tuple(sizes.items()), target.slices, 0, config.model.remat)
+    return layouts.Candidate(tuple(sizes.items()), target.slices, 0, config.model.remat)
 
 
-def _valid(config, layout: layouts.Layout, target: Target) -> bool:
+def _valid(config, layout: layouts.Candidate, target: Target) -> bool:
     """Whether the layout passes the run's checks and its mesh can be laid on the devices (a TPU
     torus takes axes whose sizes are products of its dimensions)."""
     from jaxscale.mesh import make_mesh
@@ -148,7 +149,7 @@ def with_overrides(config, overrides: dict):
     return copy
 
 
-def _compile_one(config, layout: layouts.Layout, topology_name: str | None, count: int) -> dict:
+def _compile_one(config, layout: layouts.Candidate, topology_name: str | None, count: int) -> Plan:
     """The plan of one layout (jaxscale.analysis.step_plan.describe), compiled for the named topology or this
     host's first `count` devices; runs in a worker process or in this one."""
     from jaxscale.analysis.step_plan import compile_plan, describe
@@ -187,7 +188,7 @@ class _InProcess:
         return future
 
 
-def compile_all(config, chosen: list[layouts.Layout], target: Target, budget_s: float, workers: int | None = None):
+def compile_all(config, chosen: list[layouts.Candidate], target: Target, budget_s: float, workers: int | None = None):
     """([(layout, compiled plan)], [(layout, why it did not compile)]) of the chosen layouts,
     started while `budget_s` lasts (the first always), in `workers` processes (1: this one)."""
     count = _workers(workers)
@@ -212,26 +213,26 @@ def compile_all(config, chosen: list[layouts.Layout], target: Target, budget_s: 
     return done, failed
 
 
-def row_of(layout: layouts.Layout, plan: dict, config, target: Target) -> Row:
+def row_of(layout: layouts.Candidate, plan: Plan, config, target: Target) -> Row:
     """A compiled plan priced and summarised."""
     machine = target.machine
-    prediction = cost.predict(plan, machine, {"data": layout.dcn_data})
+    prediction = cost.predict(plan.work, machine, {"data": layout.dcn_data})
     tokens = config.train.global_batch_size * config.train.seq_len
-    per_token = plan["flops"]["formula_per_device"] * math.prod(plan["mesh"].values()) / tokens
+    per_token = plan.flops.formula_per_device * math.prod(plan.mesh.values()) / tokens
     tokens_per_s = tokens / prediction.step_s
     mfu = None if machine.shared_cores else tokens_per_s * per_token / (target.devices * machine.peak_flops)
     sent: dict[str, float] = {}
-    for over in plan["collectives_by_axis"].values():
+    for over in plan.collectives_by_axis.values():
         for axes, row in over.items():
-            sent[axes] = sent.get(axes, 0.0) + row["sent_bytes"] / GIB
-    total = plan["per_device_bytes"]["total"]
-    return Row(layout, total, total <= machine.memory_bytes, prediction, tokens_per_s, mfu, sent, plan["compile_s"])
+            sent[axes] = sent.get(axes, 0.0) + row.sent_bytes / GIB
+    total = plan.per_device_bytes.total
+    return Row(layout, total, total <= machine.memory_bytes, prediction, tokens_per_s, mfu, sent, plan.compile_s)
 
 
 @dataclasses.dataclass(frozen=True)
 class Result:
     rows: list[Row]                              # ranked: those that fit first, fastest predicted first
-    failed: list[tuple[layouts.Layout, str]]     # layouts the compiler refused, and its first line
+    failed: list[tuple[layouts.Candidate, str]]     # layouts the compiler refused, and its first line
     estimated: int                               # candidates whose arithmetic fit the memory
 
 

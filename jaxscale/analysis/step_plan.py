@@ -1,7 +1,7 @@
-"""The plan of one compiled train step, as a JSON-ready dict: per-device memory in rows that add
-up to the program's peak (beside the state's arithmetic), the collectives by kind and by the mesh
-axes they run over, matmul FLOPs, the pipeline's table. `python -m jaxscale.plan` prints it; the
-layout search prices it (jaxscale.analysis.cost)."""
+"""The plan of one compiled train step (a jaxscale.analysis.plan_types.Plan): per-device memory in
+rows that add up to the program's peak (beside the state's arithmetic), the collectives by kind
+and by the mesh axes they run over, matmul FLOPs, the pipeline's table. `python -m jaxscale.plan`
+prints it; the layout search prices it (jaxscale.analysis.cost)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,18 @@ import jax.numpy as jnp
 
 from jaxscale import state as state_lib
 from jaxscale.analysis import hlo_stats
+from jaxscale.analysis.plan_types import (
+    CompiledBytes,
+    ExpectedRun,
+    Flops,
+    HostBytes,
+    KindTotal,
+    MemoryRows,
+    PipelineSummary,
+    Plan,
+    StateBytes,
+    by_axis,
+)
 from jaxscale.analysis.state_bytes import expected_bytes, param_counts
 from jaxscale.build import build
 from jaxscale.offload import HOST
@@ -34,7 +46,7 @@ def compile_plan(config, platform: str, devices=None):
     return run, compiled, seconds
 
 
-def compiled_bytes(run, compiled) -> dict[str, int]:
+def compiled_bytes(run, compiled) -> MemoryRows:
     """Per-device bytes of the compiled train step, in rows that add up to its peak ("total"):
     the parameters and optimizer state (from the step's own input shardings), the rest of its
     arguments (the batch, step, key and guard), its temporaries, and the outputs that do not
@@ -44,11 +56,10 @@ def compiled_bytes(run, compiled) -> dict[str, int]:
     state = state_lib.with_shardings(run.abstract_state, compiled.input_shardings[0][0])
     params, opt_state = shard_bytes(state.params), shard_bytes(state.opt_state)
     grads = state_lib.with_shardings(run.abstract_state.params, run.step_spec.grad_shardings)
-    rows = {"params": params, "opt_state": opt_state,
-            "other_args": memory.argument_size_in_bytes - params - opt_state,
-            "temp": memory.temp_size_in_bytes,
-            "outputs": memory.output_size_in_bytes - memory.alias_size_in_bytes}
-    return {**rows, "total": sum(rows.values()), "grads": shard_bytes(grads)}
+    other_args = memory.argument_size_in_bytes - params - opt_state
+    temp, outputs = memory.temp_size_in_bytes, memory.output_size_in_bytes - memory.alias_size_in_bytes
+    return MemoryRows(params, opt_state, other_args, temp, outputs, params + opt_state + other_args + temp + outputs,
+                      shard_bytes(grads))
 
 
 def _table(run):
@@ -57,50 +68,46 @@ def _table(run):
     return None if strategy.pipeline == "none" else strategy.table()
 
 
-def _pipeline_summary(run, table) -> dict:
+def _pipeline_summary(run, table) -> PipelineSummary:
     """The schedule's table, summarised: bubble and microbatches in flight per stage (both from
     the table the step runs), and its drawing (stages x ticks, F B W or . per tick)."""
     if table is None:
-        return {"stages": 1, "schedule": None, "microbatches": None, "virtual_stages": None, "bubble_fraction": 0.0}
-    return {"stages": table.stages, "schedule": run.model.spec.strategy.pipeline, "microbatches": table.microbatches,
-            "virtual_stages": table.virtual, "ticks": table.ticks, "bubble_fraction": table.bubble(),
-            "in_flight": table.in_flight().tolist(), "drawing": table.draw()}
+        return PipelineSummary(stages=1)
+    return PipelineSummary(stages=table.stages, schedule=run.model.spec.strategy.pipeline,
+                           microbatches=table.microbatches, virtual_stages=table.virtual, ticks=table.ticks,
+                           bubble_fraction=table.bubble(), in_flight=tuple(table.in_flight().tolist()),
+                           drawing=table.draw())
 
 
-def describe(config, run, compiled, compile_s: float) -> dict:
-    """The plan of a compiled train step (`compile_plan`'s result) as a JSON-ready dict."""
-    platform = run.platform
-    memory, params = compiled.memory_analysis(), run.abstract_state.params
-    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+def describe(config, run, compiled, compile_s: float) -> Plan:
+    """The plan of a compiled train step (`compile_plan`'s result)."""
+    memory, state, mesh = compiled.memory_analysis(), run.abstract_state, run.layout.mesh.shape
     table = _table(run)
     # the pipeline executor's switch runs each action kind for the table's share of its ticks
     shares = {} if table is None else {schedules.ACTIONS: table.shares()}
     totals, expected = hlo_stats.bound_and_expected(compiled.as_text(), shares)
-    per_device = compiled_bytes(run, compiled)
-    state = run.abstract_state
-    return {"mesh": dict(run.layout.mesh.shape), "zero_stage": run.layout.zero_stage, "remat": config.model.remat,
-            "pipeline": _pipeline_summary(run, table),
-            "platform": platform, "compute_dtype": str(run.step_spec.dtype),
-            "num_params": n_params, "compile_s": round(compile_s, 2), "per_device_bytes": per_device,
-            "argument_bytes": memory.argument_size_in_bytes,
-            "compiled_bytes": {"argument": memory.argument_size_in_bytes, "output": memory.output_size_in_bytes,
-                               "temp": memory.temp_size_in_bytes, "alias": memory.alias_size_in_bytes,
-                               "code": memory.generated_code_size_in_bytes},
-            "host_bytes": {"params": shard_bytes(state.params, HOST), "opt_state": shard_bytes(state.opt_state, HOST)},
-            "expected_bytes": expected_bytes(param_counts(run.model), run.layout.mesh.shape, run.layout.zero_stage),
-            "collectives": totals.collectives, "collectives_by_axis": totals.by_axis(run.layout.mesh.shape),
-            "flops": _flops(run, None if totals.convolutions else totals.dot_flops, config),
-            # what one step is expected to run: each conditional's branches by their share
-            "expected": {"dot_flops": None if expected.convolutions else expected.dot_flops,
-                         "collectives_by_axis": expected.by_axis(run.layout.mesh.shape)},
-            "notes": list(run.notes)}
+    return Plan(
+        mesh=dict(mesh), zero_stage=run.layout.zero_stage, remat=config.model.remat,
+        pipeline=_pipeline_summary(run, table), platform=run.platform, compute_dtype=str(run.step_spec.dtype),
+        num_params=sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)), compile_s=round(compile_s, 2),
+        per_device_bytes=compiled_bytes(run, compiled), argument_bytes=memory.argument_size_in_bytes,
+        compiled_bytes=CompiledBytes(memory.argument_size_in_bytes, memory.output_size_in_bytes,
+                                     memory.temp_size_in_bytes, memory.alias_size_in_bytes,
+                                     memory.generated_code_size_in_bytes),
+        host_bytes=HostBytes(shard_bytes(state.params, HOST), shard_bytes(state.opt_state, HOST)),
+        expected_bytes=StateBytes(**expected_bytes(param_counts(run.model), mesh, run.layout.zero_stage)),
+        collectives={kind: KindTotal(**row) for kind, row in totals.collectives.items()},
+        collectives_by_axis=by_axis(totals.by_axis(mesh)),
+        flops=_flops(run, None if totals.convolutions else totals.dot_flops, config),
+        # what one step is expected to run: each conditional's branches by their share
+        expected=ExpectedRun(None if expected.convolutions else expected.dot_flops, by_axis(expected.by_axis(mesh))),
+        notes=tuple(run.notes))
 
 
-def _flops(run, compiled_flops: int | None, config) -> dict:
+def _flops(run, compiled_flops: int | None, config) -> Flops:
     """Matmul FLOPs per device per step: the compiled program's (loops multiplied, remat's
     recompute included) beside the PaLM formula's share of one device; their ratio shows
     recomputation and work repeated across devices. None where the program writes its matmuls
     as convolutions (the TPU compiler), which the count does not read."""
     formula = run.flops_per_token * config.train.global_batch_size * config.train.seq_len / run.layout.mesh.size
-    return {"compiled_per_device": compiled_flops, "formula_per_device": formula,
-            "ratio": compiled_flops / formula if formula and compiled_flops is not None else None}
+    return Flops(compiled_flops, formula, compiled_flops / formula if formula and compiled_flops is not None else None)

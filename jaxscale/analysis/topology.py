@@ -19,20 +19,14 @@ import dataclasses
 import os
 import re
 
-from jaxscale.analysis.gpu_targets import GPUS, GPUS_PER_HOST
+from jaxscale.analysis.gpu_targets import target_config
+from jaxscale.analysis.hardware import GPUS, GPUS_PER_HOST, TPUS
 from jaxscale.errors import ConfigError
 
 GIB = 2**30
-# generation -> (libtpu's name, TensorCores counted per chip in the slice name, HBM GiB per chip, 3D torus)
-GENERATIONS = {"v4": ("v4", 2, 32, True), "v5p": ("v5p", 2, 95, True), "v5e": ("v5e", 1, 16, False),
-               "v6e": ("v6e", 1, 32, False)}
-# generation -> (HBM bytes/s, bidirectional ICI bytes/s, data-center network bytes/s), per chip, from
-# Cloud TPU's system-architecture pages: v5p 2765 GBps, 1200 GBps, 50 Gbps; v5e 819 GBps, 400 GBps
-# and 2 x 100 Gbps NICs a host of 8 chips; v6e 1638 GBps, 800 GBps (its DCN is not published:
-# v5e's is assumed); v4 1200 GBps HBM, and as ICI its 1.1 PB/s all-reduce bandwidth per 4096-chip
-# pod doubled (the ratio v5e's and v6e's pages show), its DCN assumed to be v5e's.
-BANDWIDTH = {"v4": (1200e9, 537e9, 25e9 / 8), "v5p": (2765e9, 1200e9, 50e9 / 8),
-             "v5e": (819e9, 400e9, 25e9 / 8), "v6e": (1638e9, 800e9, 25e9 / 8)}
+# generation -> (libtpu's name, TensorCores counted per chip in the slice name, 3D torus); their
+# memory and links: jaxscale.analysis.hardware.TPUS
+GENERATIONS = {"v4": ("v4", 2, True), "v5p": ("v5p", 2, True), "v5e": ("v5e", 1, False), "v6e": ("v6e", 1, False)}
 # chips -> the slice's shape in chips: 2D for v5e/v6e, 3D tori for v4/v5p
 SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
 SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
@@ -66,14 +60,14 @@ class Pod:
         slice. Described without them, a 128-chip axis is no ring and the TPU compiler writes its
         all-gathers as all-reduces of zero-filled buffers (twice the bytes)."""
         dims = [int(d) for d in self.shape.split("x")]
-        if GENERATIONS[self.generation][3]:
+        if GENERATIONS[self.generation][2]:
             return (all(d % 4 == 0 for d in dims),) * 3
         return (dims[0] == 16, dims[1] == 16, False)
 
     @property
     def chip_config(self) -> str:
         """libtpu's name for how a chip's TensorCores make devices: one megacore on v4 and v5p."""
-        return "megacore" if GENERATIONS[self.generation][3] else "default"
+        return "megacore" if GENERATIONS[self.generation][2] else "default"
 
     @property
     def accelerator_type(self) -> str:
@@ -93,13 +87,13 @@ def parse(name: str) -> Pod:
         raise ConfigError(FIELD, name, "expected a Cloud TPU slice such as v5p-256, v5e-256, v6e-256, v4-128 "
                                        "or 2xv5e-256 (two slices), or GPUs such as h100-8 or h200-16")
     slices, generation, count = int(match.group(1) or 1), match.group(2), int(match.group(3))
-    _, cores_per_chip, hbm_gib, torus = GENERATIONS[generation]
+    _, cores_per_chip, torus = GENERATIONS[generation]
     shapes = SHAPES_3D if torus else SHAPES_2D
     chips = count // cores_per_chip
     if count % cores_per_chip or chips not in shapes or slices < 1:
         sizes = ", ".join(f"{generation}-{c * cores_per_chip}" for c in shapes)
         raise ConfigError(FIELD, name, f"no such {generation} slice; known: {sizes}")
-    return Pod(name, generation, chips, slices, shapes[chips], hbm_gib * GIB)
+    return Pod(name, generation, chips, slices, shapes[chips], TPUS[generation].hbm_gib * GIB)
 
 
 def _gpu_pod(name: str, generation: str, count: int) -> Pod:
@@ -114,7 +108,7 @@ def _gpu_devices(pod: Pod) -> list:
     try:
         from jax.experimental import topologies
 
-        target = GPUS[pod.generation].target_config()
+        target = target_config(GPUS[pod.generation])
         return list(topologies.get_topology_desc(pod.generation, "cuda", target_config=target,
                                                  topology=pod.shape).devices)
     except (ImportError, RuntimeError, NotImplementedError) as error:

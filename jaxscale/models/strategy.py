@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxscale.names import PIPELINE_SCHEDULES as SCHEDULES
+from jaxscale.names import PIPELINE_SCHEDULES
 from jaxscale.parallel import schedules
 from jaxscale.sharding import Layout
 
-PIPELINE_SCHEDULES = ("none", *SCHEDULES)
+PIPELINES = ("none", *PIPELINE_SCHEDULES)  # Strategy.pipeline's choices
 CONTEXT_ALGORITHMS = ("none", "ring", "all_gather")
 EXPERT_DISPATCH = ("local", "all_to_all")
 
@@ -33,7 +33,7 @@ class Strategy:
     experts: str = "local"         # local | all_to_all: MoE tokens exchanged over mesh axis `expert`
 
     def __post_init__(self):
-        for name, value, choices, axis in (("pipeline", self.pipeline, PIPELINE_SCHEDULES, "pipeline"),
+        for name, value, choices, axis in (("pipeline", self.pipeline, PIPELINES, "pipeline"),
                                            ("context", self.context, CONTEXT_ALGORITHMS, "sequence"),
                                            ("experts", self.experts, EXPERT_DISPATCH, "expert")):
             if value not in choices:

@@ -25,7 +25,7 @@ from jaxscale.names import UNROLL_UP_TO
 from jaxscale.parallel import context, executor, fsdp, pipeline
 from jaxscale.sharding import Layout, constrain
 
-REMAT_POLICIES = {
+REMAT_POLICY_FNS = {
     "full": None,  # save nothing inside a layer: recompute it all in the backward pass
     # keep matmul outputs and the attention kernel's residuals (models.attention.kept), recompute the rest
     "dots_saveable": jax.checkpoint_policies.save_from_both_policies(
@@ -256,7 +256,7 @@ class Transformer(nnx.Module):
         forward for the backward; full and dots_saveable gather them again)."""
         if self.spec.remat == "none":
             return layer_fn
-        return jax.checkpoint(layer_fn, policy=REMAT_POLICIES[self.spec.remat], prevent_cse=False)
+        return jax.checkpoint(layer_fn, policy=REMAT_POLICY_FNS[self.spec.remat], prevent_cse=False)
 
     def _scan_layers(self, x_BLD, places):
         """The layers; under a pipeline, this is the forward-only pass (evaluation, inference):

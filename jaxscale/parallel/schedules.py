@@ -23,9 +23,10 @@ import re
 
 import numpy as np
 
+from jaxscale.names import BUILT_IN_SCHEDULES
+
 IDLE, F, B, W = 0, 1, 2, 3
 LETTERS = {IDLE: ".", F: "F", B: "B", W: "W"}
-SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")
 ACTIONS = "pipeline_actions"  # the name scope of the executor's switch over a tick's action kinds
 
 Action = tuple[int, int, int]  # (kind, microbatch, virtual stage)
@@ -94,7 +95,7 @@ def orders(name: str, stages: int, microbatches: int, virtual: int = 1) -> list[
         return [_one_f_one_b(s, P, M, V) for s in range(P)]
     if name == "zero_bubble":
         return [_one_f_one_b(s, P, M, 1) for s in range(P)]
-    raise ScheduleError(f"no schedule named {name!r}; choose one of {', '.join(SCHEDULES)}")
+    raise ScheduleError(f"no schedule named {name!r}; choose one of {', '.join(BUILT_IN_SCHEDULES)}")
 
 
 def _interleaved(s: int, P: int, M: int, V: int, backward: bool) -> list[tuple[int, int]]:

@@ -84,7 +84,7 @@ class UserHook:
 def run_step(session: Session, s: Stretch, step: int, user_hooks: tuple[UserHook, ...] = ()) -> Outcome | None:
     """One step and everything that comes with it, in order; an Outcome ends the stretch."""
     batch, fed_s = feed(session, s.clock, step, s.batches)
-    metrics = train(session, batch)
+    metrics = take_step(session, batch)
     watch(session, step, fed_s)
     stopping = session.services.preemption.reached(step)
     checkpoint(session, s.clock, step, stopping or step == s.last)
@@ -92,7 +92,7 @@ def run_step(session: Session, s: Stretch, step: int, user_hooks: tuple[UserHook
         return Outcome.ROLLBACK
     record = measure(session, s.clock, step, stopping, metrics)
     if record is not None:
-        record = evaluate(session, step, record)
+        record = with_val_loss(session, step, record)
         log(session, s, step, record)
     for hook in user_hooks:
         if step % hook.every == 0:
@@ -111,7 +111,7 @@ def feed(session: Session, clock: Clock, step: int, batches: Iterator) -> tuple[
     return batch, fed_s
 
 
-def train(session: Session, batch: dict) -> dict:
+def take_step(session: Session, batch: dict) -> dict:
     """The step on the live state; returns its metrics (device arrays)."""
     live = session.live
     live.state, metrics = session.compiled()(live.state, batch)
@@ -164,7 +164,7 @@ def measure(session: Session, clock: Clock, step: int, stopping: bool, metrics: 
     return record
 
 
-def evaluate(session: Session, step: int, record: dict) -> dict:
+def with_val_loss(session: Session, step: int, record: dict) -> dict:
     """The record, with the validation loss on an evaluation step."""
     if is_eval_step(step, session.run.config.train):
         return {**record, "val_loss": mean_eval_loss(session)}
