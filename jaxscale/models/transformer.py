@@ -1,4 +1,5 @@
-"""Decoder-only transformer in Flax NNX: Llama-style or GPT-2-style, layers stacked and scanned.
+"""Decoder-only transformer in Flax NNX, built from its structure options (models.families:
+Llama-style, GPT-2-style, ...), layers stacked and scanned.
 
 The rest of jaxscale sees the model through `LanguageModel`: parameters are a plain nested
 dict of float32 arrays, and `axes` gives each one's logical axis names.
@@ -16,7 +17,8 @@ from flax import nnx
 from jaxscale.errors import ConfigError
 from jaxscale.models import fp8
 from jaxscale.models.attention import KEPT, Placement, document_positions, resolve_impl
-from jaxscale.models.layers import AXES_KEY, INNER, RESIDUAL, Attention, GeluMLP, LayerNorm, RMSNorm, SwiGLU, normal
+from jaxscale.models.families import Architecture, check, preset
+from jaxscale.models.layers import AXES_KEY, INNER, MLP, RESIDUAL, Attention, norm, normal
 from jaxscale.models.moe import EXPERT_LOAD, LOAD, MAX_LOAD, STATS, MoE, MoESpec
 from jaxscale.models.precision import compute_dtype
 from jaxscale.models.strategy import Strategy
@@ -38,7 +40,8 @@ REMAT_POLICIES = {
 class ModelSpec:
     """The model's shape and options; hashable, so jitted functions can close over it."""
 
-    family: str = "llama"
+    family: str = "llama"             # a named preset of the structure options (models.families)
+    architecture: Architecture | None = None  # the structure options; None: the family's (see `arch`)
     num_layers: int = 2
     d_model: int = 64
     num_heads: int = 4
@@ -75,23 +78,30 @@ class ModelSpec:
         return cls(**values, attention_impl=attention_impl, strategy=strategy, scan_layers=scan_layers,
                    cpu_matmul=cpu_matmul, weights=weights)
 
+    def __post_init__(self):
+        if self.architecture is not None:
+            check(self.architecture)
+
+    @property
+    def arch(self) -> Architecture:
+        """The structure options the layers are built from: `architecture` where given, else
+        the preset of `family`. (Kept apart from the family, so that changing the family of a
+        spec, dataclasses.replace(spec, family=...), changes its structure too.)"""
+        return preset(self.family) if self.architecture is None else self.architecture
+
     @property
     def dtype(self):
         """The compute dtype: weights are cast to it where they are used (parameters stay as given)."""
         return jnp.dtype(self.weights.compute)
 
 
-def _norm(spec: ModelSpec):
-    return RMSNorm(spec.d_model, spec.norm_eps) if spec.family == "llama" else LayerNorm(spec.d_model, spec.norm_eps)
-
-
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, spec: ModelSpec, rngs: nnx.Rngs, moe: bool = False):
-        self.attn_norm, self.mlp_norm = _norm(spec), _norm(spec)
+        self.attn_norm, self.mlp_norm = norm(spec), norm(spec)
         self.attn, self.layout = Attention(spec, rngs), spec.strategy.layout
-        self.mlp = MoE(spec, rngs) if moe else SwiGLU(spec, rngs) if spec.family == "llama" else GeluMLP(spec, rngs)
+        self.mlp = MoE(spec, rngs) if moe else MLP(spec, rngs)
 
     def _attend(self, x_BLD, places, cache):
         # Norms run on the residual layout (split along length in sequence-parallel mode); their
@@ -138,13 +148,13 @@ class Transformer(nnx.Module):
     def __init__(self, spec: ModelSpec, rngs: nnx.Rngs):
         self.spec = spec
         self.embed = normal(rngs, (spec.vocab_size, spec.d_model), ("vocab", "embed"), spec.init_std)
-        if spec.family == "gpt2":
+        if spec.arch.position == "learned":
             self.pos_embed = normal(rngs, (spec.max_seq_len, spec.d_model), ("position", "embed"), spec.init_std)
         if spec.moe.num_experts:
             self.layers = MoEStacks(spec, rngs)
         else:
             self.layers = _stacked(lambda r: Block(spec, r), spec.num_layers, rngs)
-        self.final_norm = _norm(spec)
+        self.final_norm = norm(spec)
         if not spec.tie_embeddings:
             self.head = normal(rngs, (spec.d_model, spec.vocab_size), ("embed", "vocab"), spec.init_std)
 
@@ -173,10 +183,10 @@ class Transformer(nnx.Module):
         return x_BLD, cache, stats
 
     def embed_tokens(self, tokens_BL, places: Placement):
-        """The residual stream's start: token embeddings (and learned positions, gpt2), looked up
+        """The residual stream's start: token embeddings (and learned positions), looked up
         where the table is stored (models.vocab: nothing gathers the table)."""
         tables = [(Table(self.embed[...], ("vocab", "embed")), tokens_BL)]
-        if self.spec.family == "gpt2":
+        if self.spec.arch.position == "learned":
             tables.append((Table(self.pos_embed[...], ("position", "embed")), places.positions))
         layout = self.spec.strategy.layout
         return constrain(embed(tables, layout, self.spec.weights), layout, RESIDUAL)
