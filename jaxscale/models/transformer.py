@@ -1,6 +1,9 @@
 """Decoder-only transformer in Flax NNX, built from its structure options (models.families:
 Llama-style, GPT-2-style, ...), layers stacked and scanned.
 
+This module holds the modules and the layer loop; decoding with a KV cache is models.decoding's,
+the fit to a pipeline schedule models.pipelined's.
+
 The rest of jaxscale sees the model through `LanguageModel`: parameters are a plain nested
 dict of float32 arrays, and `axes` gives each one's logical axis names.
 """
@@ -15,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jaxscale.errors import ConfigError
-from jaxscale.models import fp8
+from jaxscale.models import decoding, fp8, pipelined
 from jaxscale.models.attention import KEPT, Placement, document_positions, resolve_impl
 from jaxscale.models.families import Architecture, check, preset
 from jaxscale.models.layers import AXES_KEY, INNER, MLP, RESIDUAL, Attention, norm, normal
@@ -24,7 +27,7 @@ from jaxscale.models.precision import compute_dtype
 from jaxscale.models.strategy import Strategy
 from jaxscale.models.vocab import Table, cross_entropy, embed
 from jaxscale.names import UNROLL_UP_TO
-from jaxscale.parallel import context, executor, fsdp, pipeline
+from jaxscale.parallel import context, fsdp
 from jaxscale.sharding import Layout, constrain
 
 REMAT_POLICIES = {
@@ -179,7 +182,7 @@ class Transformer(nnx.Module):
         elif cache is None:
             x_BLD = self._scan_layers(x_BLD, places)
         else:
-            x_BLD, cache = self._scan_cached(x_BLD, places, cache)
+            x_BLD, cache = decoding.scan_layers(self.layers, x_BLD, places, cache, self.spec.dtype)
         return x_BLD, cache, stats
 
     def embed_tokens(self, tokens_BL, places: Placement):
@@ -239,9 +242,8 @@ class Transformer(nnx.Module):
 
     def _layer(self, graphdef, dims, params, x_BLD, places, cache):
         """One layer (a Block or an MoEBlock): (x_BLD, its updated cache or None, router statistics)."""
-        if cache is not None:  # decoding: one program, the weights cast here
-            out = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(self.spec.dtype), params))(x_BLD, places, cache)
-            return out if len(out) == 3 else (*out, {})
+        if cache is not None:
+            return decoding.layer(graphdef, params, x_BLD, places, cache, self.spec.dtype)
 
         def body(layer_params, x, places):
             out = nnx.merge(graphdef, layer_params)(x, places)
@@ -273,22 +275,9 @@ class Transformer(nnx.Module):
         training runs the schedule's own executor (LanguageModel.loss)."""
         stacked = nnx.to_pure_dict(nnx.split(self.layers)[1])
         run_layers, s = self.stage_fn(), self.spec.strategy
-        if s.pipeline != "none":  # the stages' weights cross the pipeline's map in the compute dtype
-            stacked = jax.tree.map(lambda p: p.astype(self.spec.dtype), stacked)
-        if s.pipeline != "none" and s.virtual_stages > 1:
-            return pipeline.circular(run_layers, stacked, x_BLD, places, s.layout, s.microbatches, s.virtual_stages)
         if s.pipeline != "none":
-            return pipeline.gpipe(run_layers, stacked, x_BLD, places, s.layout, s.microbatches)
+            return pipelined.forward(run_layers, stacked, x_BLD, places, s, self.spec.dtype)
         return run_layers(stacked, x_BLD, places)
-
-    def _scan_cached(self, x_BLD, places, cache):
-        """The layer scan for decoding: each layer reads and returns its slice of the stacked cache."""
-        graphdef, stacked = nnx.split(self.layers)
-
-        def layer(x, params_and_cache):
-            return self._layer(graphdef, None, params_and_cache[0], x, places, params_and_cache[1])[:2]
-
-        return jax.lax.scan(layer, x_BLD, (nnx.to_pure_dict(stacked), cache))
 
     def _scan_groups(self, x_BLD, places, cache=None):
         """An MoE model's layers (see MoEStacks), scanned over groups: (x_BLD, the updated cache or
@@ -346,17 +335,6 @@ class Transformer(nnx.Module):
             return x_BLD, jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), caches), means, load_GX
 
         return run
-
-    def moe_stage_fn(self):
-        """run(a pipeline stage's layer params, x, places) -> (x, statistics): its groups and
-        their STATS shares and loads (see _groups), for the executor to add up over stages."""
-        run = self._groups()
-
-        def stage(params, x_BLD, places):
-            x_BLD, _, means, load_GX = run(params, x_BLD, places, None)
-            return x_BLD, {**means, LOAD: load_GX}
-
-        return stage
 
 
 def _stacked(make_block, count: int, rngs: nnx.Rngs):
@@ -418,7 +396,7 @@ class LanguageModel:
         the mean loss unchanged and saves putting the logits back in order."""
         (inputs_BL, targets_BL), places, _ = self._lay_out((inputs_BL, targets_BL), segments_BL)
         if self.spec.strategy.pipeline != "none" and self.spec.strategy.context == "none":
-            return self._pipelined_loss(params, inputs_BL, targets_BL, places)
+            return pipelined.loss(self, params, inputs_BL, targets_BL, places)
         return self._objective(*self._loss(params, inputs_BL, targets_BL, places))
 
     def _objective(self, loss, stats: dict):
@@ -432,49 +410,6 @@ class LanguageModel:
         x_BLD, _, stats = model.hidden(inputs_BL, places)
         loss, z_loss = model.head_loss(x_BLD, targets_BL)
         return loss, {**stats, "z_loss": z_loss} if self.spec.z_loss_weight else stats
-
-    def _pipelined_loss(self, params: dict, inputs_BL, targets_BL, places: Placement):
-        """(objective, metrics) as the pipeline schedule's executor computes them (forward and
-        backward in one table, parallel.executor): the embedding on the first stage, the head
-        and the loss on the last, an MoE stage's router losses differentiated where it runs.
-        With context parallelism inside the stages the step differentiates the gpipe or
-        circular forward instead (pipeline.check allows only those then, and no MoE layers):
-        the executor's stages take different branches at a tick, and the ring's collective
-        permutes inside them deadlocked XLA:CPU, whose permutes meet across all devices."""
-        s = self.spec.strategy
-        params = jax.tree.map(lambda p: p.astype(self.spec.dtype), params)  # the executor's map gathers them
-        outer = {name: value for name, value in params.items() if name != "layers"}
-
-        def model(outer):  # the layers' values are not read: their shapes stand in
-            return nnx.merge(self.graphdef, {**outer, "layers": self.shapes["layers"]})
-
-        def embed(outer, tokens_BL, places):
-            return model(outer).embed_tokens(tokens_BL, places)
-
-        def head_loss(outer, x_BLD, targets_BL):  # no z-loss under a pipeline (models.checks)
-            return model(outer).head_loss(x_BLD, targets_BL)[0]
-
-        def primal(stacked, outer, tokens_BL, targets_BL, places):
-            return self._objective(*self._loss({**outer, "layers": stacked}, tokens_BL, targets_BL, places))
-
-        def finish(loss, stats):  # the stages' statistics [P * V, ...], in layer order
-            if not stats:
-                return self._objective(loss, {})
-            load = stats.pop(LOAD)
-            means = {name: value.sum(0) for name, value in stats.items()}
-            return self._objective(loss, model(outer).router_stats(means, load.reshape(-1, load.shape[-1])))
-
-        if self.spec.moe.num_experts:
-            stage = model(outer).moe_stage_fn()
-        else:
-            run_layers = model(outer).stage_fn()
-
-            def stage(params, x_BLD, places):
-                return run_layers(params, x_BLD, places), {}
-
-        fns = executor.Fns(embed, stage, head_loss, lambda x_BLD: constrain(x_BLD, s.layout, RESIDUAL), self.extra_loss)
-        loss = executor.pipelined_loss(s.table(), fns, primal, finish, s.layout)
-        return loss(params["layers"], outer, inputs_BL, targets_BL, places)
 
     def _lay_out(self, arrays_BL: tuple, segments_BL):
         """(arrays, Placement, order): token arrays in natural order, with their positions (from each
@@ -533,16 +468,14 @@ class LanguageModel:
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> dict:
         """An empty KV cache for `batch` sequences of up to `max_len` tokens: {'k', 'v'}, each
         [layers, batch, max_len, kv_heads, head_dim] in `dtype` (the compute dtype)."""
-        s = self.spec
-        shape = (s.num_layers, batch, max_len, s.num_kv_heads, s.d_model // s.num_heads)
-        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+        return decoding.init_cache(self.spec, batch, max_len, dtype)
 
     def decode(self, params: dict, tokens_BL, positions_BL, cache: dict):
         """(logits_BLV float32, new cache): the tokens' keys and values are written into the cache at
         their positions (consecutive within a row, below max_len) and each token attends to every
         cached position <= its own. One call can prefill a whole prompt; later calls add a token each.
         The cache's slot s must hold position s, so fill it from position 0 without gaps."""
-        return nnx.merge(self.graphdef, params)(tokens_BL, Placement(positions_BL), cache)[:2]
+        return decoding.decode(self.graphdef, params, tokens_BL, positions_BL, cache)
 
 
 def _unflatten(flat: dict) -> dict:
