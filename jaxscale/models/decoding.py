@@ -1,5 +1,5 @@
-"""Decoding with a KV cache: the cache, one decoding call, and the layers that read and write
-their slices of it.
+"""Decoding with a KV cache: the cache, one decoding call, and a layer that reads and writes its
+slice of it (the layer loop, Transformer._loop, hands each layer its slice).
 
 The cache is {'k', 'v'}, each [layers, batch, max_len, kv_heads, head_dim] in the compute
 dtype; slot s holds position s. Decoding runs as one program on the model's default strategy
@@ -34,13 +34,3 @@ def layer(graphdef, params, x_BLD, places: Placement, cache: dict, dtype):
     out = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(dtype), params))(x_BLD, places, cache)
     return out if len(out) == 3 else (*out, {})
 
-
-def scan_layers(layers: nnx.Module, x_BLD, places: Placement, cache: dict, dtype):
-    """A dense model's stacked layers scanned for decoding: (x_BLD, the updated cache), each
-    layer reading and returning its slice of the stacked cache."""
-    graphdef, stacked = nnx.split(layers)
-
-    def step(x, params_and_cache):
-        return layer(graphdef, params_and_cache[0], x, places, params_and_cache[1], dtype)[:2]
-
-    return jax.lax.scan(step, x_BLD, (nnx.to_pure_dict(stacked), cache))

@@ -181,8 +181,8 @@ class Transformer(nnx.Module):
             x_BLD, cache, stats = self._scan_groups(x_BLD, places, cache)
         elif cache is None:
             x_BLD = self._scan_layers(x_BLD, places)
-        else:
-            x_BLD, cache = decoding.scan_layers(self.layers, x_BLD, places, cache, self.spec.dtype)
+        else:  # decoding: the unsharded model (LanguageModel.unsharded), no pipeline
+            x_BLD, cache = self._loop(self.layers)(nnx.to_pure_dict(nnx.split(self.layers)[1]), x_BLD, places, cache)
         return x_BLD, cache, stats
 
     def embed_tokens(self, tokens_BL, places: Placement):
@@ -214,23 +214,32 @@ class Transformer(nnx.Module):
         return constrain(logits_BLV, self.spec.strategy.layout, ("batch", "act_length", "act_vocab"))
 
     def stage_fn(self):
-        """run(stacked layer params, x, places) -> x: those layers in order (a scan, or unrolled
-        when spec.scan_layers is False; remat as set), each layer's weights gathered where it
-        runs (parallel.fsdp)."""
-        graphdef, state = nnx.split(self.layers)
+        """run(stacked layer params, x, places) -> x: a dense model's layers in order (a scan, or
+        unrolled when spec.scan_layers is False; remat as set), each layer's weights gathered
+        where it runs (parallel.fsdp): a pipeline stage's, or all of them."""
+        loop = self._loop(self.layers, unroll=not self.spec.scan_layers)
+        return lambda params, x_BLD, places: loop(params, x_BLD, places, None)[0]
+
+    def _loop(self, stack: nnx.Module, unroll: bool = False):
+        """run(stacked params, x_BLD, places, stacked cache or None) -> (x_BLD, the updated cache
+        or None): the one layer loop. The layers of `stack` (stacked Blocks or MoEBlocks) in
+        order, each through _layer (training: weights gathered where it runs, remat as set;
+        decoding: its slice of the cache), as a scan, or unrolled (`unroll`, training only)."""
+        graphdef, state = nnx.split(stack)
         dims = self._stored_dims(state)
 
-        def run_layers(params, x_BLD, places):
-            def step(x, layer_params):
-                return self._layer(graphdef, dims, layer_params, x, places, None)[0], None
+        def run(params, x_BLD, places, cache):
+            def step(x, params_and_cache):
+                x, layer_cache, _ = self._layer(graphdef, dims, params_and_cache[0], x, places, params_and_cache[1])
+                return x, layer_cache
 
-            if self.spec.scan_layers:
-                return jax.lax.scan(step, x_BLD, params)[0]
+            if not unroll or cache is not None:
+                return jax.lax.scan(step, x_BLD, (params, cache))
             for i in range(jax.tree.leaves(params)[0].shape[0]):  # each layer's slice of the stacked parameters
-                x_BLD = step(x_BLD, jax.tree.map(lambda p, i=i: p[i], params))[0]
-            return x_BLD
+                x_BLD = step(x_BLD, (jax.tree.map(lambda p, i=i: p[i], params), None))[0]
+            return x_BLD, None
 
-        return run_layers
+        return run
 
     def _run_layer(self, body, layer_params, dims, x_BLD, places):
         """body(params, x, places) -> (x, stats) on one layer's parameters, remat as set."""
@@ -303,13 +312,8 @@ class Transformer(nnx.Module):
         n = self.spec.moe.every_n_layers
         model_groups = self.spec.num_layers // n
         moe_def, moe_state = nnx.split(self.layers.moe)
-        dense_def, dense_state = nnx.split(self.layers.dense) if n > 1 else (None, None)
         moe_dims = self._stored_dims(moe_state)
-        dense_dims = self._stored_dims(dense_state) if n > 1 else None
-
-        def dense_layer(x, params_and_cache, places):
-            x, layer_cache, _ = self._layer(dense_def, dense_dims, params_and_cache[0], x, places, params_and_cache[1])
-            return x, layer_cache
+        dense_layers = self._loop(self.layers.dense) if n > 1 else None
 
         def run(params, x_BLD, places, cache):
             groups = jax.tree.leaves(params["moe"])[0].shape[0]
@@ -321,7 +325,7 @@ class Transformer(nnx.Module):
                 dense_p, moe_p, group_cache = xs
                 head = jax.tree.map(lambda c: c[:n - 1], group_cache)
                 if n > 1:
-                    x, head = jax.lax.scan(lambda x, pc: dense_layer(x, pc, places), x, (dense_p, head))
+                    x, head = dense_layers(dense_p, x, places, head)
                 x, tail, stats = self._layer(moe_def, moe_dims, moe_p, x, places,
                                              jax.tree.map(lambda c: c[n - 1], group_cache))
                 load = stats.pop(LOAD)
