@@ -128,7 +128,7 @@ def measure(config, rounds: int, steps: int, checkpoint_every: int) -> dict:
 def _measure(session: Session, rounds: int, steps: int) -> dict:
     run, config = session.run, session.run.config
     tx, _ = make_optimizer(config.optim, config.train.steps)
-    dtype = compute_dtype(config.model.dtype)
+    dtype = compute_dtype(config.model.dtype, jax.default_backend())
     bare = bare_step(run, tx, dtype)
     batch = next(session.data.train_batches(0))
     params = jax.tree.map(jnp.copy, session.live.state.params)

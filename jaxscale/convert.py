@@ -35,6 +35,7 @@ def config_for_hf(hf_dir, config=None, overrides=(), say=print):
     gets one note line about it."""
     from jaxscale import config as config_lib
     from jaxscale.interop import model_config_from_hf
+    from jaxscale.models.families import preset
 
     config = config_lib.defaults() if config is None else config
     config.model.update(model_config_from_hf(hf_dir))
@@ -42,7 +43,7 @@ def config_for_hf(hf_dir, config=None, overrides=(), say=print):
         config.data.tokenizer = str(Path(hf_dir) / "tokenizer.json")
     config_lib.apply_overrides(config, list(overrides))
     positions = config.model.max_seq_len
-    if config.model.family == "gpt2" and config.train.seq_len > positions:
+    if preset(config.model.family).position == "learned" and config.train.seq_len > positions:
         say(f"note: train.seq_len={config.train.seq_len} is more than the {positions} positions the GPT-2 in "
             f"{hf_dir} learned (n_positions); training with train.seq_len={positions}")
         config.train.seq_len = positions

@@ -39,7 +39,7 @@ def _generate(argv: list[str]) -> None:
     tokenizer = load_tokenizer(config.data.tokenizer)
     model, _ = model_from_config(config, jax.default_backend())
     ids = generate(model, params, tokenizer.encode(flags["prompt"]), flags["max_new_tokens"], flags["temperature"],
-                   flags["top_k"], flags["seed"], compute_dtype(config.model.dtype))
+                   flags["top_k"], flags["seed"], compute_dtype(config.model.dtype, jax.default_backend()))
     if tokenizer.eos_id in ids:
         ids = ids[:ids.index(tokenizer.eos_id)]
     print(flags["prompt"] + tokenizer.decode(ids))

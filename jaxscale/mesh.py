@@ -13,7 +13,7 @@ import jax
 from jax.sharding import AxisType, Mesh
 
 from jaxscale.errors import ConfigError, require
-from jaxscale.names import AXES, BATCH_AXES  # noqa: F401  (BATCH_AXES: kept importable from here)
+from jaxscale.names import AXES
 
 
 def resolve_shape(mesh_cfg, device_count: int, field: str = "mesh") -> dict[str, int]:

@@ -53,9 +53,9 @@ def _checked(spec, prompt_ids, max_new_tokens: int, temperature: float, top_k: i
     if not 0 <= top_k <= vocab:
         raise ConfigError("top_k", top_k, f"must be between 0 (every token) and model.vocab_size={vocab}")
     total = len(prompt) + max_new_tokens
-    if spec.family == "gpt2" and total > spec.max_seq_len:
+    if spec.arch.position == "learned" and total > spec.max_seq_len:
         raise ConfigError("max_new_tokens", max_new_tokens,
-                          f"the prompt ({len(prompt)} tokens) and the new tokens make {total}, more than gpt2's "
+                          f"the prompt ({len(prompt)} tokens) and the new tokens make {total}, more than the "
                           f"model.max_seq_len={spec.max_seq_len} learned positions; ask for at most "
                           f"{max(spec.max_seq_len - len(prompt), 0)} new tokens or shorten the prompt")
     return prompt

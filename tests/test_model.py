@@ -1,4 +1,6 @@
-"""The transformer: shapes, causality, named axes, remat policies."""
+"""The transformer: shapes, causality, named axes, remat policies, structure options."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +44,7 @@ def test_every_parameter_names_its_axes(name):
         assert len(axes) == leaf.ndim and set(axes) <= set(DEFAULT_RULES), (path, axes)
     assert model.axes["layers"]["attn"]["wk"] == ("layers", "embed", "kv_heads", "head_dim")
     assert ("head" in shapes) == (not SPECS[name].tie_embeddings)
-    assert ("pos_embed" in shapes) == (SPECS[name].family == "gpt2")
+    assert ("pos_embed" in shapes) == (SPECS[name].arch.position == "learned")
 
 
 def test_stacked_layers_have_leading_layer_dim():
@@ -223,3 +225,59 @@ def test_the_cpu_formulation_gives_the_same_loss_and_grads(remat):
     for (loss_a, grads_a), (loss_b, grads_b) in (out[0:2], out[2:4]):
         np.testing.assert_allclose(loss_b, loss_a, rtol=1e-6)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads_b, grads_a)
+
+
+# --- the model as data: a family is a preset of structure options (models.families) --------------
+
+def test_a_family_is_a_preset_of_options():
+    from jaxscale.models.families import FAMILIES
+
+    llama, gpt2 = SPECS["llama_gqa_untied"], SPECS["gpt2_tied"]
+    assert llama.arch == FAMILIES["llama"] and gpt2.arch == FAMILIES["gpt2"]
+    assert dataclasses.replace(llama, family="gpt2").arch == FAMILIES["gpt2"]  # the options follow the family
+    # The options build the model, not the family's name: gpt2's options under another name
+    # give the same parameters and the same logits.
+    named = LanguageModel(gpt2)
+    options = LanguageModel(dataclasses.replace(gpt2, family="llama", architecture=FAMILIES["gpt2"]))
+    assert jax.tree.map(lambda s: s.shape, named.shapes) == jax.tree.map(lambda s: s.shape, options.shapes)
+    params = named.init(jax.random.PRNGKey(0))
+    jax.tree.map(np.testing.assert_array_equal, params, options.init(jax.random.PRNGKey(0)))
+    np.testing.assert_array_equal(named.apply(params, _tokens()), options.apply(params, _tokens()))
+
+
+@pytest.mark.parametrize("experts", [0, 4])
+def test_options_combine_freely(experts):
+    """A mix neither family has: LayerNorm, learned positions and a SwiGLU with biases, no
+    attention biases; dense or MoE (its experts and shared experts get the biases too)."""
+    from jaxscale.models.families import Architecture
+    from jaxscale.models.moe import MoESpec
+
+    arch = Architecture(norm="layernorm", mlp="swiglu", mlp_bias=True, position="learned", attention_bias=False)
+    spec = dataclasses.replace(SPECS["llama_gqa_untied"], architecture=arch, max_seq_len=16,
+                               moe=MoESpec(num_experts=experts, num_shared=1))
+    model = LanguageModel(spec)
+    params = model.init(jax.random.PRNGKey(0))
+    layers = params["layers"]["moe"] if experts else params["layers"]
+    mlp = layers["mlp"]
+    assert {"w_gate", "w_up", "w_down", "bias_gate", "bias_up", "bias_down"} <= set(mlp)
+    assert set(layers["attn"]) == {"wq", "wk", "wv", "wo"} and "pos_embed" in params
+    assert set(layers["attn_norm"]) == {"scale", "bias"}
+    if experts:
+        assert model.axes["layers"]["moe"]["mlp"]["bias_gate"] == ("layers", "experts", "mlp")
+        assert model.axes["layers"]["moe"]["mlp"]["bias_down"] == ("layers", "experts", "embed")
+        assert "bias_up" in mlp["shared"]
+    else:
+        assert model.axes["layers"]["mlp"]["bias_down"] == ("layers", "norm")
+    tokens = _tokens()
+    biased = jax.tree.map(lambda p: p + 0.1, params)  # non-zero biases must change the output
+    assert not np.allclose(model.apply(biased, tokens), model.apply(params, tokens))
+    grads = jax.grad(lambda p: model.loss(p, tokens[:, :-1], tokens[:, 1:])[0])(params)
+    grad_layers = grads["layers"]["moe"] if experts else grads["layers"]
+    assert float(jnp.abs(grad_layers["mlp"]["bias_gate"]).sum()) > 0
+
+
+def test_an_unknown_option_is_refused():
+    from jaxscale.models.families import Architecture
+
+    with pytest.raises(ValueError, match="norm='batchnorm'"):
+        ModelSpec(architecture=Architecture(norm="batchnorm"))

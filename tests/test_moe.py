@@ -93,7 +93,7 @@ def test_layer_equals_a_dense_reference(family, capacity_factor, shared):
     out, stats = layer(x)
     logits = jnp.einsum("BLD,DX->BLX", x, layer.router[...])
     r = route(logits, 2, capacity(10, spec.moe))
-    every = expert_mlp(jnp.broadcast_to(x.reshape(1, 30, 16), (4, 30, 16)), layer.experts(), family == "llama")
+    every = expert_mlp(jnp.broadcast_to(x.reshape(1, 30, 16), (4, 30, 16)), layer.experts(), layer.kind)
     every = every.reshape(4, 3, 10, 16)  # [expert, B, L, D]
     want = sum(r.weights[..., j, None] * jnp.take_along_axis(every, r.experts[None, ..., j, None], 0)[0]
                for j in range(2))

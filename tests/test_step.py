@@ -231,7 +231,7 @@ def test_bfloat16_compute_keeps_float32_master_weights(reference, optim_cfg):
 def test_compute_dtype():
     assert compute_dtype("auto", "cpu") == jnp.float32
     assert compute_dtype("auto", "gpu") == jnp.bfloat16
-    assert compute_dtype("bfloat16") == jnp.bfloat16
+    assert compute_dtype("bfloat16", "cpu") == jnp.bfloat16
 
 
 def test_remat_policies_trade_compiled_memory(optim_cfg):

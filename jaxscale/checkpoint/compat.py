@@ -8,7 +8,7 @@ from jaxscale.errors import ConfigError
 # Fields that decide parameter shapes (and the guard's window, part of the state).
 SHAPE_FIELDS = ("model.family", "model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads",
                 "model.d_ff", "model.vocab_size", "model.tie_embeddings")
-GPT2_FIELDS = ("model.max_seq_len",)  # the learned position table
+LEARNED_POSITION_FIELDS = ("model.max_seq_len",)  # the learned position table's length
 STATE_FIELDS = ("guard.spike_window",)
 # Model options that change the function but not the shapes: allowed, but said.
 NOTED_FIELDS = ("model.rope_theta", "model.norm_eps")
@@ -28,10 +28,12 @@ def _differences(saved: dict, current: dict, fields) -> list[tuple[str, object, 
             if _get(saved, f) is not None and _get(saved, f) != _get(current, f)]
 
 
-def check(saved: dict, current: dict, where: str, params_only: bool = False) -> list[str]:
+def check(saved: dict, current: dict, where: str, params_only: bool = False,
+          learned_positions: bool = False) -> list[str]:
     """Raise ConfigError if `current` cannot hold the state saved with config `saved`; else
-    return notes on allowed differences. `params_only`: only parameter shapes must match."""
-    fields = SHAPE_FIELDS + (GPT2_FIELDS if current["model"]["family"] == "gpt2" else ())
+    return notes on allowed differences. `params_only`: only parameter shapes must match.
+    `learned_positions`: the current model learns a position table (spec.arch.position)."""
+    fields = SHAPE_FIELDS + (LEARNED_POSITION_FIELDS if learned_positions else ())
     fields += () if params_only else STATE_FIELDS
     wrong = _differences(saved, current, fields)
     if wrong:

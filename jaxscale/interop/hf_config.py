@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from jaxscale.errors import ConfigError
+from jaxscale.models.families import preset
 
 # The model.* fields an HF config decides.
 FIELDS = ("family", "num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff", "vocab_size",
@@ -96,11 +97,19 @@ def _from_gpt2(hf: dict) -> dict:
                 rope_theta=10000.0, norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
 
 
+def _refuse_other_structure(spec) -> None:
+    """HF's classes build their family's structure only: the spec's options must be its preset."""
+    _refuse_unless(spec.arch == preset(spec.family), "architecture", spec.arch,
+                   f"Hugging Face's {spec.family} is built as jaxscale's {spec.family} preset "
+                   f"({preset(spec.family)}); a model with other options stays in jaxscale's format")
+
+
 def hf_config_from_spec(spec) -> dict:
     """A config.json dict (LlamaConfig or GPT2Config) describing the model `spec` builds."""
     _refuse_unless(not spec.moe.num_experts, "model.moe.num_experts", spec.moe.num_experts,
                    "Hugging Face export covers dense Llama and GPT-2 models; "
                    "a mixture-of-experts checkpoint stays in jaxscale's format")
+    _refuse_other_structure(spec)
     if spec.family == "gpt2":
         _refuse_unless(spec.num_kv_heads == spec.num_heads, "model.num_kv_heads", spec.num_kv_heads,
                        f"Hugging Face GPT-2 has no grouped-query attention; set it to model.num_heads={spec.num_heads}")
@@ -119,9 +128,12 @@ def hf_config_from_spec(spec) -> dict:
 def check_spec_matches(spec, hf_dir) -> None:
     """Raise ConfigError naming the first model.* field where `spec` differs from the checkpoint."""
     hf = model_config_from_hf(hf_dir)
-    # rope_theta means nothing to gpt2, and llama's max_seq_len shapes no parameter.
-    skip = {"rope_theta"} if hf["family"] == "gpt2" else {"max_seq_len"}
+    # rope_theta means nothing without RoPE, and max_seq_len shapes a parameter only when positions are learned.
+    position = preset(hf["family"]).position
+    skip = {field for field, used in (("rope_theta", position == "rope"), ("max_seq_len", position == "learned"))
+            if not used}
     for field in FIELDS:
         if field not in skip and getattr(spec, field) != hf[field]:
             fix = f"the Hugging Face checkpoint in {hf_dir} has {hf[field]!r}; set model.{field}={hf[field]!r}"
             raise ConfigError(f"model.{field}", getattr(spec, field), fix)
+    _refuse_other_structure(spec)

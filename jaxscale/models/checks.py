@@ -7,6 +7,7 @@ Config-level only (errors and names): checking a config never builds a model.
 from __future__ import annotations
 
 from jaxscale.errors import require, require_choice, require_non_negative, require_positive
+from jaxscale.models.families import preset
 from jaxscale.names import ATTENTION_IMPLS, DTYPES, FAMILIES, LAYER_LOOPS, PROJECTIONS, REMAT_POLICIES, split_ways
 
 _SIZES = ("model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads", "model.d_ff",
@@ -29,14 +30,15 @@ def check_model(config) -> None:
 
 def _check_shapes(m, seq_len: int) -> None:
     """Heads split d_model evenly, query heads group over key/value heads, RoPE pairs dimensions,
-    and gpt2 has a learned position for every token."""
+    and learned positions cover every token (the family's options: models.families)."""
+    arch = preset(m.family)
     require(m.d_model % m.num_heads == 0, "model.num_heads", m.num_heads, f"must divide model.d_model={m.d_model}")
     require(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads", m.num_kv_heads,
             f"must divide model.num_heads={m.num_heads} (grouped-query attention)")
-    require(m.family != "llama" or (m.d_model // m.num_heads) % 2 == 0, "model.num_heads", m.num_heads,
+    require(arch.position != "rope" or (m.d_model // m.num_heads) % 2 == 0, "model.num_heads", m.num_heads,
             f"RoPE needs an even head dimension; d_model/num_heads = {m.d_model // max(m.num_heads, 1)}")
-    require(m.family != "gpt2" or seq_len <= m.max_seq_len, "train.seq_len", seq_len,
-            f"gpt2 learns positions up to model.max_seq_len={m.max_seq_len}; raise it or shorten seq_len")
+    require(arch.position != "learned" or seq_len <= m.max_seq_len, "train.seq_len", seq_len,
+            f"{m.family} learns positions up to model.max_seq_len={m.max_seq_len}; raise it or shorten seq_len")
 
 
 def check_moe(config, sizes, rules) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +87,14 @@ class LayerNorm(nnx.Module):
         return (x * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x_BLD.dtype)
 
 
+NORMS = {"rmsnorm": RMSNorm, "layernorm": LayerNorm}  # Architecture.norm -> its module
+
+
+def norm(cfg) -> nnx.Module:
+    """A norm over d_model of the kind cfg.arch.norm."""
+    return NORMS[cfg.arch.norm](cfg.d_model, cfg.norm_eps)
+
+
 def _sin_cos(angle_BLE):
     return jnp.sin(angle_BLE)[:, :, None, :], jnp.cos(angle_BLE)[:, :, None, :]
 
@@ -108,7 +117,8 @@ def rope(x_BLHE, tables):
 
 
 class Attention(nnx.Module):
-    """Causal grouped-query attention; llama uses RoPE and no biases, gpt2 biases and no RoPE."""
+    """Causal grouped-query attention: rotary positions when cfg.arch.position is rope, biases
+    on every projection when cfg.arch.attention_bias."""
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         D, H, K, E = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_model // cfg.num_heads
@@ -117,10 +127,10 @@ class Attention(nnx.Module):
         self.wk = normal(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
         self.wv = normal(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
         self.wo = normal(rngs, (H, E, D), ("heads", "head_dim", "embed"), out_std)
-        self.use_rope, self.theta, self.cpu = cfg.family == "llama", cfg.rope_theta, cfg.cpu_matmul
+        self.use_rope, self.theta, self.cpu = cfg.arch.position == "rope", cfg.rope_theta, cfg.cpu_matmul
         self.matmul = Matmul.of(cfg)
         self.impl, self.block, self.strategy = cfg.attention_impl, cfg.attention_block, cfg.strategy
-        if cfg.family == "gpt2":
+        if cfg.arch.attention_bias:
             self.bias_q = zeros((H, E), ("heads", "head_dim"))
             self.bias_k = zeros((K, E), ("kv_heads", "head_dim"))
             self.bias_v = zeros((K, E), ("kv_heads", "head_dim"))
@@ -158,29 +168,71 @@ class Attention(nnx.Module):
         return (out_BLD + self.bias_o[...] if hasattr(self, "bias_o") else out_BLD), cache
 
 
-class SwiGLU(nnx.Module):
+@dataclasses.dataclass(frozen=True)
+class MLPKind:
+    """An MLP as data: an input projection w_<name> [D, F] for each of `inputs`, combined by
+    `activation` into the hidden [..., F], then the output projection w_<output> [F, D]; with
+    biases, bias_<name> after each. The dense MLP and the experts (models.moe) run it alike."""
+
+    inputs: tuple[str, ...]
+    output: str
+    activation: Callable
+    from_activation: bool  # the hidden is an elementwise tail's output: see models.matmul
+
+    def run(self, x, w: dict, dot: Callable, bias: Callable, hidden: Callable = lambda h: h):
+        """The MLP of x with weights w (by name: 'w_up', 'bias_up', ...): dot(x, weight, output)
+        projects (output: the output projection), bias(y, b) adds a bias, hidden(h) places the
+        hidden activations."""
+        def project(x, name, output):
+            y = dot(x, w[f"w_{name}"], output)
+            return bias(y, w[f"bias_{name}"]) if f"bias_{name}" in w else y
+
+        h = hidden(self.activation(*(project(x, name, False) for name in self.inputs)))
+        return project(h, self.output, True)
+
+    def names(self, bias: bool) -> tuple[str, ...]:
+        """The parameter names, weights then biases."""
+        names = (*self.inputs, self.output)
+        return tuple(f"w_{n}" for n in names) + (tuple(f"bias_{n}" for n in names) if bias else ())
+
+
+def _swiglu(gate, up):
+    return jax.nn.silu(gate) * up
+
+
+def _gelu(h):
+    return jax.nn.gelu(h, approximate=True)
+
+
+# Architecture.mlp -> its kind. GELU's output projection asks for the CPU backward that keeps the
+# activation's tail out of the transposed operand (models.matmul); on SwiGLU's it was no faster.
+MLPS = {"swiglu": MLPKind(("gate", "up"), "down", _swiglu, False),
+        "gelu": MLPKind(("in",), "out", _gelu, True)}
+
+
+class MLP(nnx.Module):
+    """The dense MLP of kind cfg.arch.mlp (MLPS), with biases when cfg.arch.mlp_bias."""
+
     def __init__(self, cfg, rngs: nnx.Rngs):
         D, F = cfg.d_model, cfg.d_ff
-        self.w_gate = normal(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
+        self.kind, self.biased = MLPS[cfg.arch.mlp], cfg.arch.mlp_bias
         self.matmul, self.layout = Matmul.of(cfg), cfg.strategy.layout
-        self.w_up = normal(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
-        self.w_down = normal(rngs, (F, D), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+        for name in self.kind.inputs:
+            setattr(self, f"w_{name}", normal(rngs, (D, F), ("embed", "mlp"), cfg.init_std))
+            if self.biased:
+                setattr(self, f"bias_{name}", zeros((F,), ("mlp",)))
+        out = self.kind.output
+        setattr(self, f"w_{out}", normal(rngs, (F, D), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5))
+        if self.biased:
+            setattr(self, f"bias_{out}", zeros((D,), ("norm",)))
 
     def __call__(self, x_BLD):
-        h_BLF = jax.nn.silu(self.matmul(x_BLD, self.w_gate[...])) * self.matmul(x_BLD, self.w_up[...])
-        return self.matmul(constrain(h_BLF, self.layout, ("batch", "act_length", "act_mlp")), self.w_down[...])
+        w = {name: getattr(self, name)[...] for name in self.kind.names(self.biased)}
 
+        def dot(x, w, output):
+            return self.matmul(x, w, from_activation=output and self.kind.from_activation)
 
-class GeluMLP(nnx.Module):
-    def __init__(self, cfg, rngs: nnx.Rngs):
-        D, F = cfg.d_model, cfg.d_ff
-        self.w_in = normal(rngs, (D, F), ("embed", "mlp"), cfg.init_std)
-        self.matmul, self.layout = Matmul.of(cfg), cfg.strategy.layout
-        self.bias_in = zeros((F,), ("mlp",))
-        self.w_out = normal(rngs, (F, D), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5)
-        self.bias_out = zeros((D,), ("norm",))
+        def hidden(h_BLF):
+            return constrain(h_BLF, self.layout, ("batch", "act_length", "act_mlp"))
 
-    def __call__(self, x_BLD):
-        h_BLF = jax.nn.gelu(self.matmul(x_BLD, self.w_in[...]) + self.bias_in[...], approximate=True)
-        return self.matmul(constrain(h_BLF, self.layout, ("batch", "act_length", "act_mlp")), self.w_out[...],
-                           from_activation=True) + self.bias_out[...]
+        return self.kind.run(x_BLD, w, dot, lambda y, b: y + b, hidden)

@@ -17,7 +17,7 @@ plain transpose of x ([768, 512]: 2.9 ms against 0.12 ms). The barrier is gone b
 runs, so `from_activation=True` puts the weight gradient inside a conditional (both branches
 the same) that fusion cannot reach into: x is passed in whole. On the GPT-2 shape of
 benchmarks/torch_reference.py that made the step 5-12% faster (three interleaved runs); on
-SwiGLU's output it was no faster, so only GeluMLP asks for it.
+SwiGLU's output it was no faster, so only the GELU MLP asks for it (layers.MLPS).
 """
 
 from __future__ import annotations

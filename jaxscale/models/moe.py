@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxscale.models.layers import GeluMLP, SwiGLU, normal, zeros
+from jaxscale.models.layers import MLP, MLPS, MLPKind, normal, zeros
 from jaxscale.models.strategy import Strategy
 from jaxscale.parallel import context, fsdp, ragged
 from jaxscale.sharding import constrain, entries, manual_here, to_spec
@@ -50,10 +50,12 @@ LOAD = "moe_load"  # a layer's share of the assignments per expert [X] (the mode
 MAX_LOAD = "moe_max_load"  # mean over MoE layers of the busiest expert's share x num_experts (1 = even)
 EXPERT_LOAD = "moe_expert_load"  # [X]: each expert's share x num_experts, mean over MoE layers (1 = even)
 BIAS_PATH = "['layers']['moe']['mlp']['bias_balance']"  # the selection biases in the parameters
-# Logical axes of the expert weights: SwiGLU (llama) or GELU with biases (gpt2).
-EXPERT_AXES = {"w_gate": ("experts", "embed", "mlp"), "w_up": ("experts", "embed", "mlp"),
-               "w_down": ("experts", "mlp", "embed"), "w_in": ("experts", "embed", "mlp"),
-               "bias_in": ("experts", "mlp"), "w_out": ("experts", "mlp", "embed"), "bias_out": ("experts", "embed")}
+# Logical axes of the expert weights, of every MLP kind (layers.MLPS), with and without biases.
+_IN, _OUT = {name for kind in MLPS.values() for name in kind.inputs}, {kind.output for kind in MLPS.values()}
+EXPERT_AXES = {**{f"w_{n}": ("experts", "embed", "mlp") for n in _IN},
+               **{f"bias_{n}": ("experts", "mlp") for n in _IN},
+               **{f"w_{n}": ("experts", "mlp", "embed") for n in _OUT},
+               **{f"bias_{n}": ("experts", "embed") for n in _OUT}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,32 +142,31 @@ def _top_k(probs_BLX, k: int):
 
 
 class MoE(nnx.Module):
-    """num_experts MLPs (SwiGLU for llama, GELU with biases for gpt2) behind a top-k router."""
+    """num_experts MLPs of the model's kind (cfg.arch.mlp, with biases when cfg.arch.mlp_bias)
+    behind a top-k router."""
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         m = cfg.moe
         D, X, F = cfg.d_model, m.num_experts, m.d_ff or cfg.d_ff
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
-        self.spec, self.llama, self.strategy = m, cfg.family == "llama", cfg.strategy
+        self.spec, self.kind, self.biased, self.strategy = m, MLPS[cfg.arch.mlp], cfg.arch.mlp_bias, cfg.strategy
         self.router = normal(rngs, (D, X), ("embed", "router"), cfg.init_std)
-        if self.llama:
-            self.w_gate = normal(rngs, (X, D, F), EXPERT_AXES["w_gate"], cfg.init_std)
-            self.w_up = normal(rngs, (X, D, F), EXPERT_AXES["w_up"], cfg.init_std)
-            self.w_down = normal(rngs, (X, F, D), EXPERT_AXES["w_down"], out_std)
-        else:
-            self.w_in = normal(rngs, (X, D, F), EXPERT_AXES["w_in"], cfg.init_std)
-            self.bias_in = zeros((X, F), EXPERT_AXES["bias_in"])
-            self.w_out = normal(rngs, (X, F, D), EXPERT_AXES["w_out"], out_std)
-            self.bias_out = zeros((X, D), EXPERT_AXES["bias_out"])
+        for name in self.kind.inputs:
+            setattr(self, f"w_{name}", normal(rngs, (X, D, F), EXPERT_AXES[f"w_{name}"], cfg.init_std))
+            if self.biased:
+                setattr(self, f"bias_{name}", zeros((X, F), EXPERT_AXES[f"bias_{name}"]))
+        out = self.kind.output
+        setattr(self, f"w_{out}", normal(rngs, (X, F, D), EXPERT_AXES[f"w_{out}"], out_std))
+        if self.biased:
+            setattr(self, f"bias_{out}", zeros((X, D), EXPERT_AXES[f"bias_{out}"]))
         if m.bias_rate:  # moved by `balance` after each step, never by the optimizer (no gradient)
             self.bias_balance = zeros((X,), ("router",))
         if m.num_shared:  # DeepSeek's shared experts: a dense MLP beside the routed ones
             shared = dataclasses.replace(cfg, d_ff=m.num_shared * F)
-            self.shared = SwiGLU(shared, rngs) if self.llama else GeluMLP(shared, rngs)
+            self.shared = MLP(shared, rngs)
 
     def experts(self) -> dict:
-        names = ("w_gate", "w_up", "w_down") if self.llama else ("w_in", "bias_in", "w_out", "bias_out")
-        return {name: getattr(self, name)[...] for name in names}
+        return {name: getattr(self, name)[...] for name in self.kind.names(self.biased)}
 
     def __call__(self, x_BLD):
         """(out_BLD, router statistics: STATS' scalars and LOAD, this layer's share of the
@@ -177,7 +178,7 @@ class MoE(nnx.Module):
         routing = route(constrain(logits_BLX, s.layout, ("batch", "act_length", None)), self.spec.top_k,
                         capacity(length, self.spec), order, bias)
         cap = 0 if self.spec.capacity_factor == 0 else capacity(length, self.spec)
-        out_BLD = dispatch_combine(x_BLD, routing, self.experts(), self.spec.num_experts, cap, self.llama,
+        out_BLD = dispatch_combine(x_BLD, routing, self.experts(), self.spec.num_experts, cap, self.kind,
                                    self.strategy)
         if self.spec.num_shared:
             out_BLD = out_BLD + self.shared(x_BLD)
@@ -185,31 +186,25 @@ class MoE(nnx.Module):
         return out_BLD, {**dict(zip(STATS, (routing.aux_loss, routing.z_loss, routing.dropped))), LOAD: load}
 
 
-def expert_mlp(x_XTD, w: dict, llama: bool, layout=None):
-    """Each expert's MLP on its own tokens: [experts, tokens, D] -> same."""
-    if llama:
-        h_XTF = (jax.nn.silu(jnp.einsum("XTD,XDF->XTF", x_XTD, w["w_gate"]))
-                 * jnp.einsum("XTD,XDF->XTF", x_XTD, w["w_up"]))
-        return jnp.einsum("XTF,XFD->XTD", constrain(h_XTF, layout, (None, "batch", "act_mlp")), w["w_down"])
-    h_XTF = jax.nn.gelu(jnp.einsum("XTD,XDF->XTF", x_XTD, w["w_in"]) + w["bias_in"][:, None], approximate=True)
-    h_XTF = constrain(h_XTF, layout, (None, "batch", "act_mlp"))
-    return jnp.einsum("XTF,XFD->XTD", h_XTF, w["w_out"]) + w["bias_out"][:, None]
+def expert_mlp(x_XTD, w: dict, kind: MLPKind, layout=None):
+    """Each expert's MLP (of `kind`) on its own tokens: [experts, tokens, D] -> same."""
+    def dot(x, w, output):
+        return jnp.einsum("XTF,XFD->XTD" if output else "XTD,XDF->XTF", x, w)
+
+    return kind.run(x_XTD, w, dot, lambda y, b: y + b[:, None],
+                    lambda h_XTF: constrain(h_XTF, layout, (None, "batch", "act_mlp")))
 
 
-def grouped_mlp(x_TD, experts_T, sizes_X, w: dict, llama: bool):
-    """Each expert's MLP on its own rows of x_TD, which are sorted by expert (sizes_X of each):
-    grouped matmuls (lax.ragged_dot), nothing padded to a capacity."""
-    def dot(a, b):
+def grouped_mlp(x_TD, experts_T, sizes_X, w: dict, kind: MLPKind):
+    """Each expert's MLP (of `kind`) on its own rows of x_TD, which are sorted by expert (sizes_X
+    of each): grouped matmuls (lax.ragged_dot), nothing padded to a capacity."""
+    def dot(a, b, output):
         return jax.lax.ragged_dot(a, b.astype(a.dtype), sizes_X)
 
-    if llama:
-        h_TF = jax.nn.silu(dot(x_TD, w["w_gate"])) * dot(x_TD, w["w_up"])
-        return dot(h_TF, w["w_down"])
-    h_TF = jax.nn.gelu(dot(x_TD, w["w_in"]) + w["bias_in"][experts_T].astype(x_TD.dtype), approximate=True)
-    return dot(h_TF, w["w_out"]) + w["bias_out"][experts_T].astype(x_TD.dtype)
+    return kind.run(x_TD, w, dot, lambda y, b: y + b[experts_T].astype(x_TD.dtype))
 
 
-def _dropless(x_BLD, experts_BLK, weights_BLK, w: dict, *, num_experts: int, llama: bool, groups: int,
+def _dropless(x_BLD, experts_BLK, weights_BLK, w: dict, *, num_experts: int, kind: MLPKind, groups: int,
               exchange: bool):
     """sum_k weight_k * expert_k(x) for this device's rows, no token dropped: its assignments
     sorted by expert (stable: in token order within an expert), the experts as grouped matmuls,
@@ -223,12 +218,12 @@ def _dropless(x_BLD, experts_BLK, weights_BLK, w: dict, *, num_experts: int, lla
     sizes = jnp.bincount(experts, length=num_experts).astype(jnp.int32)
     x_TD = x_BLD.reshape(B * L, D)[order // k]
     if groups == 1:
-        y_TD = grouped_mlp(x_TD, experts[order], sizes, w, llama)
+        y_TD = grouped_mlp(x_TD, experts[order], sizes, w, kind)
     else:
         r, local = ragged.routes(sizes, AXIS, groups), num_experts // groups
         rows_MD = ragged.send(x_TD, r, AXIS, groups * B * L * min(k, local), exchange)  # all that can come
         which = jnp.searchsorted(jnp.cumsum(r.local_sizes), jnp.arange(rows_MD.shape[0]), side="right")
-        y_MD = grouped_mlp(rows_MD, jnp.minimum(which, local - 1), r.local_sizes, w, llama)
+        y_MD = grouped_mlp(rows_MD, jnp.minimum(which, local - 1), r.local_sizes, w, kind)
         y_TD = ragged.back(y_MD, x_TD.shape[0], r, AXIS, exchange)
     y_BLKD = y_TD[jnp.argsort(order)].reshape(B, L, k, D)
     out_BLD = jnp.einsum("BLKD,BLK->BLD", y_BLKD, weights_BLK.astype(y_BLKD.dtype),
@@ -242,7 +237,7 @@ def _slots(routing: Routing, num_experts: int, cap: int):
     return jnp.where(routing.keep, routing.experts * cap + routing.positions, num_experts * cap)
 
 
-def _local(x_BLD, slots_BLK, weights_BLK, w: dict, *, num_experts: int, cap: int, llama: bool, groups: int,
+def _local(x_BLD, slots_BLK, weights_BLK, w: dict, *, num_experts: int, cap: int, kind: MLPKind, groups: int,
            layout=None):
     """Dispatch, expert MLPs and combine for this device's rows. With groups > 1 (inside
     shard_map over `expert`, whose size it is) the local experts are num_experts / groups and
@@ -259,17 +254,17 @@ def _local(x_BLD, slots_BLK, weights_BLK, w: dict, *, num_experts: int, cap: int
         buf = jax.lax.all_to_all(buf, AXIS, 1, 1, tiled=True)
     local = num_experts // groups
     tokens_XTD = buf.transpose(2, 0, 1, 3, 4).reshape(local, B * groups * cap, D)
-    y_XTD = expert_mlp(constrain(tokens_XTD, layout, (None, "batch", "act_embed")), w, llama, layout)
+    y_XTD = expert_mlp(constrain(tokens_XTD, layout, (None, "batch", "act_embed")), w, kind, layout)
     y = constrain(y_XTD, layout, (None, "batch", "act_embed"))
     y = y.reshape(local, B, groups, cap, D).transpose(1, 2, 0, 3, 4)
     if groups > 1:
         y = jax.lax.all_to_all(y, AXIS, 1, 1, tiled=True)
     y_BSD = y.reshape(B, num_experts * cap, D)
 
-    def gather(y_SD, slots_LK):
+    def pick(y_SD, slots_LK):
         return jnp.take(y_SD, slots_LK.reshape(-1), axis=0, mode="fill", fill_value=0).reshape(L, k, D)
 
-    out_BLKD = jax.vmap(gather)(y_BSD, slots_BLK)
+    out_BLKD = jax.vmap(pick)(y_BSD, slots_BLK)
     out_BLD = jnp.einsum("BLKD,BLK->BLD", out_BLKD, weights_BLK.astype(out_BLKD.dtype),
                          preferred_element_type=jnp.float32)
     return out_BLD.astype(x_BLD.dtype)
@@ -293,7 +288,7 @@ def _own(w: dict, local: int) -> dict:
     return {name: mine(x) for name, x in w.items()}
 
 
-def dispatch_combine(x_BLD, routing: Routing, w: dict, num_experts: int, cap: int, llama: bool,
+def dispatch_combine(x_BLD, routing: Routing, w: dict, num_experts: int, cap: int, kind: MLPKind,
                      strategy: Strategy = Strategy()):
     """sum_k weight_k * expert_k(x) for every token, through capacity buffers of `cap` slots a
     row, or dropless (cap 0): with strategy.experts=all_to_all the experts are split over
@@ -301,10 +296,10 @@ def dispatch_combine(x_BLD, routing: Routing, w: dict, num_experts: int, cap: in
     layout = strategy.layout
     if cap:
         assigned, run = _slots(routing, num_experts, cap), functools.partial(_local, num_experts=num_experts,
-                                                                              cap=cap, llama=llama, layout=layout)
+                                                                              cap=cap, kind=kind, layout=layout)
     else:
         native = layout is not None and layout.compiler != "cpu"  # XLA:CPU has no ragged all-to-all
-        assigned, run = routing.experts, functools.partial(_dropless, num_experts=num_experts, llama=llama,
+        assigned, run = routing.experts, functools.partial(_dropless, num_experts=num_experts, kind=kind,
                                                            exchange=native)
     if strategy.experts == "local":
         return run(x_BLD, assigned, routing.weights, w, groups=1)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 
-def compute_dtype(name: str, platform: str | None = None) -> jnp.dtype:
-    """'auto' means bfloat16 on GPU/TPU and float32 on CPU, where bf16 matmuls are slow."""
+def compute_dtype(name: str, platform: str) -> jnp.dtype:
+    """'auto' means bfloat16 on GPU/TPU and float32 on CPU, where bf16 matmuls are slow;
+    `platform` is the compile target ('cpu', 'gpu', 'tpu')."""
     if name == "auto":
-        platform = platform or jax.default_backend()
         return jnp.dtype(jnp.float32 if platform == "cpu" else jnp.bfloat16)
     return jnp.dtype(name)

@@ -1,4 +1,8 @@
-"""Decoder-only transformer in Flax NNX: Llama-style or GPT-2-style, layers stacked and scanned.
+"""Decoder-only transformer in Flax NNX, built from its structure options (models.families:
+Llama-style, GPT-2-style, ...), layers stacked and scanned.
+
+This module holds the modules and the layer loop; decoding with a KV cache is models.decoding's,
+the fit to a pipeline schedule models.pipelined's.
 
 The rest of jaxscale sees the model through `LanguageModel`: parameters are a plain nested
 dict of float32 arrays, and `axes` gives each one's logical axis names.
@@ -14,15 +18,16 @@ import numpy as np
 from flax import nnx
 
 from jaxscale.errors import ConfigError
-from jaxscale.models import fp8
+from jaxscale.models import decoding, fp8, pipelined
 from jaxscale.models.attention import KEPT, Placement, document_positions, resolve_impl
-from jaxscale.models.layers import AXES_KEY, INNER, RESIDUAL, Attention, GeluMLP, LayerNorm, RMSNorm, SwiGLU, normal
+from jaxscale.models.families import Architecture, check, preset
+from jaxscale.models.layers import AXES_KEY, INNER, MLP, RESIDUAL, Attention, norm, normal
 from jaxscale.models.moe import EXPERT_LOAD, LOAD, MAX_LOAD, STATS, MoE, MoESpec
 from jaxscale.models.precision import compute_dtype
 from jaxscale.models.strategy import Strategy
 from jaxscale.models.vocab import Table, cross_entropy, embed
 from jaxscale.names import UNROLL_UP_TO
-from jaxscale.parallel import context, executor, fsdp, pipeline
+from jaxscale.parallel import context, fsdp
 from jaxscale.sharding import Layout, constrain
 
 REMAT_POLICY_FNS = {
@@ -38,7 +43,8 @@ REMAT_POLICY_FNS = {
 class ModelSpec:
     """The model's shape and options; hashable, so jitted functions can close over it."""
 
-    family: str = "llama"
+    family: str = "llama"             # a named preset of the structure options (models.families)
+    architecture: Architecture | None = None  # the structure options; None: the family's (see `arch`)
     num_layers: int = 2
     d_model: int = 64
     num_heads: int = 4
@@ -75,23 +81,30 @@ class ModelSpec:
         return cls(**values, attention_impl=attention_impl, strategy=strategy, scan_layers=scan_layers,
                    cpu_matmul=cpu_matmul, weights=weights)
 
+    def __post_init__(self):
+        if self.architecture is not None:
+            check(self.architecture)
+
+    @property
+    def arch(self) -> Architecture:
+        """The structure options the layers are built from: `architecture` where given, else
+        the preset of `family`. (Kept apart from the family, so that changing the family of a
+        spec, dataclasses.replace(spec, family=...), changes its structure too.)"""
+        return preset(self.family) if self.architecture is None else self.architecture
+
     @property
     def dtype(self):
         """The compute dtype: weights are cast to it where they are used (parameters stay as given)."""
         return jnp.dtype(self.weights.compute)
 
 
-def _norm(spec: ModelSpec):
-    return RMSNorm(spec.d_model, spec.norm_eps) if spec.family == "llama" else LayerNorm(spec.d_model, spec.norm_eps)
-
-
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, spec: ModelSpec, rngs: nnx.Rngs, moe: bool = False):
-        self.attn_norm, self.mlp_norm = _norm(spec), _norm(spec)
+        self.attn_norm, self.mlp_norm = norm(spec), norm(spec)
         self.attn, self.layout = Attention(spec, rngs), spec.strategy.layout
-        self.mlp = MoE(spec, rngs) if moe else SwiGLU(spec, rngs) if spec.family == "llama" else GeluMLP(spec, rngs)
+        self.mlp = MoE(spec, rngs) if moe else MLP(spec, rngs)
 
     def _attend(self, x_BLD, places, cache):
         # Norms run on the residual layout (split along length in sequence-parallel mode); their
@@ -138,13 +151,13 @@ class Transformer(nnx.Module):
     def __init__(self, spec: ModelSpec, rngs: nnx.Rngs):
         self.spec = spec
         self.embed = normal(rngs, (spec.vocab_size, spec.d_model), ("vocab", "embed"), spec.init_std)
-        if spec.family == "gpt2":
+        if spec.arch.position == "learned":
             self.pos_embed = normal(rngs, (spec.max_seq_len, spec.d_model), ("position", "embed"), spec.init_std)
         if spec.moe.num_experts:
             self.layers = MoEStacks(spec, rngs)
         else:
             self.layers = _stacked(lambda r: Block(spec, r), spec.num_layers, rngs)
-        self.final_norm = _norm(spec)
+        self.final_norm = norm(spec)
         if not spec.tie_embeddings:
             self.head = normal(rngs, (spec.d_model, spec.vocab_size), ("embed", "vocab"), spec.init_std)
 
@@ -168,15 +181,15 @@ class Transformer(nnx.Module):
             x_BLD, cache, stats = self._scan_groups(x_BLD, places, cache)
         elif cache is None:
             x_BLD = self._scan_layers(x_BLD, places)
-        else:
-            x_BLD, cache = self._scan_cached(x_BLD, places, cache)
+        else:  # decoding: the unsharded model (LanguageModel.unsharded), no pipeline
+            x_BLD, cache = self._loop(self.layers)(nnx.to_pure_dict(nnx.split(self.layers)[1]), x_BLD, places, cache)
         return x_BLD, cache, stats
 
     def embed_tokens(self, tokens_BL, places: Placement):
-        """The residual stream's start: token embeddings (and learned positions, gpt2), looked up
+        """The residual stream's start: token embeddings (and learned positions), looked up
         where the table is stored (models.vocab: nothing gathers the table)."""
         tables = [(Table(self.embed[...], ("vocab", "embed")), tokens_BL)]
-        if self.spec.family == "gpt2":
+        if self.spec.arch.position == "learned":
             tables.append((Table(self.pos_embed[...], ("position", "embed")), places.positions))
         layout = self.spec.strategy.layout
         return constrain(embed(tables, layout, self.spec.weights), layout, RESIDUAL)
@@ -201,23 +214,32 @@ class Transformer(nnx.Module):
         return constrain(logits_BLV, self.spec.strategy.layout, ("batch", "act_length", "act_vocab"))
 
     def stage_fn(self):
-        """run(stacked layer params, x, places) -> x: those layers in order (a scan, or unrolled
-        when spec.scan_layers is False; remat as set), each layer's weights gathered where it
-        runs (parallel.fsdp)."""
-        graphdef, state = nnx.split(self.layers)
+        """run(stacked layer params, x, places) -> x: a dense model's layers in order (a scan, or
+        unrolled when spec.scan_layers is False; remat as set), each layer's weights gathered
+        where it runs (parallel.fsdp): a pipeline stage's, or all of them."""
+        loop = self._loop(self.layers, unroll=not self.spec.scan_layers)
+        return lambda params, x_BLD, places: loop(params, x_BLD, places, None)[0]
+
+    def _loop(self, stack: nnx.Module, unroll: bool = False):
+        """run(stacked params, x_BLD, places, stacked cache or None) -> (x_BLD, the updated cache
+        or None): the one layer loop. The layers of `stack` (stacked Blocks or MoEBlocks) in
+        order, each through _layer (training: weights gathered where it runs, remat as set;
+        decoding: its slice of the cache), as a scan, or unrolled (`unroll`, training only)."""
+        graphdef, state = nnx.split(stack)
         dims = self._stored_dims(state)
 
-        def run_layers(params, x_BLD, places):
-            def step(x, layer_params):
-                return self._layer(graphdef, dims, layer_params, x, places, None)[0], None
+        def run(params, x_BLD, places, cache):
+            def step(x, params_and_cache):
+                x, layer_cache, _ = self._layer(graphdef, dims, params_and_cache[0], x, places, params_and_cache[1])
+                return x, layer_cache
 
-            if self.spec.scan_layers:
-                return jax.lax.scan(step, x_BLD, params)[0]
+            if not unroll or cache is not None:
+                return jax.lax.scan(step, x_BLD, (params, cache))
             for i in range(jax.tree.leaves(params)[0].shape[0]):  # each layer's slice of the stacked parameters
-                x_BLD = step(x_BLD, jax.tree.map(lambda p, i=i: p[i], params))[0]
-            return x_BLD
+                x_BLD = step(x_BLD, (jax.tree.map(lambda p, i=i: p[i], params), None))[0]
+            return x_BLD, None
 
-        return run_layers
+        return run
 
     def _run_layer(self, body, layer_params, dims, x_BLD, places):
         """body(params, x, places) -> (x, stats) on one layer's parameters, remat as set."""
@@ -229,9 +251,8 @@ class Transformer(nnx.Module):
 
     def _layer(self, graphdef, dims, params, x_BLD, places, cache):
         """One layer (a Block or an MoEBlock): (x_BLD, its updated cache or None, router statistics)."""
-        if cache is not None:  # decoding: one program, the weights cast here
-            out = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(self.spec.dtype), params))(x_BLD, places, cache)
-            return out if len(out) == 3 else (*out, {})
+        if cache is not None:
+            return decoding.layer(graphdef, params, x_BLD, places, cache, self.spec.dtype)
 
         def body(layer_params, x, places):
             out = nnx.merge(graphdef, layer_params)(x, places)
@@ -263,22 +284,9 @@ class Transformer(nnx.Module):
         training runs the schedule's own executor (LanguageModel.loss)."""
         stacked = nnx.to_pure_dict(nnx.split(self.layers)[1])
         run_layers, s = self.stage_fn(), self.spec.strategy
-        if s.pipeline != "none":  # the stages' weights cross the pipeline's map in the compute dtype
-            stacked = jax.tree.map(lambda p: p.astype(self.spec.dtype), stacked)
-        if s.pipeline != "none" and s.virtual_stages > 1:
-            return pipeline.circular(run_layers, stacked, x_BLD, places, s.layout, s.microbatches, s.virtual_stages)
         if s.pipeline != "none":
-            return pipeline.gpipe(run_layers, stacked, x_BLD, places, s.layout, s.microbatches)
+            return pipelined.forward(run_layers, stacked, x_BLD, places, s, self.spec.dtype)
         return run_layers(stacked, x_BLD, places)
-
-    def _scan_cached(self, x_BLD, places, cache):
-        """The layer scan for decoding: each layer reads and returns its slice of the stacked cache."""
-        graphdef, stacked = nnx.split(self.layers)
-
-        def layer(x, params_and_cache):
-            return self._layer(graphdef, None, params_and_cache[0], x, places, params_and_cache[1])[:2]
-
-        return jax.lax.scan(layer, x_BLD, (nnx.to_pure_dict(stacked), cache))
 
     def _scan_groups(self, x_BLD, places, cache=None):
         """An MoE model's layers (see MoEStacks), scanned over groups: (x_BLD, the updated cache or
@@ -304,13 +312,8 @@ class Transformer(nnx.Module):
         n = self.spec.moe.every_n_layers
         model_groups = self.spec.num_layers // n
         moe_def, moe_state = nnx.split(self.layers.moe)
-        dense_def, dense_state = nnx.split(self.layers.dense) if n > 1 else (None, None)
         moe_dims = self._stored_dims(moe_state)
-        dense_dims = self._stored_dims(dense_state) if n > 1 else None
-
-        def dense_layer(x, params_and_cache, places):
-            x, layer_cache, _ = self._layer(dense_def, dense_dims, params_and_cache[0], x, places, params_and_cache[1])
-            return x, layer_cache
+        dense_layers = self._loop(self.layers.dense) if n > 1 else None
 
         def run(params, x_BLD, places, cache):
             groups = jax.tree.leaves(params["moe"])[0].shape[0]
@@ -322,7 +325,7 @@ class Transformer(nnx.Module):
                 dense_p, moe_p, group_cache = xs
                 head = jax.tree.map(lambda c: c[:n - 1], group_cache)
                 if n > 1:
-                    x, head = jax.lax.scan(lambda x, pc: dense_layer(x, pc, places), x, (dense_p, head))
+                    x, head = dense_layers(dense_p, x, places, head)
                 x, tail, stats = self._layer(moe_def, moe_dims, moe_p, x, places,
                                              jax.tree.map(lambda c: c[n - 1], group_cache))
                 load = stats.pop(LOAD)
@@ -336,17 +339,6 @@ class Transformer(nnx.Module):
             return x_BLD, jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), caches), means, load_GX
 
         return run
-
-    def moe_stage_fn(self):
-        """run(a pipeline stage's layer params, x, places) -> (x, statistics): its groups and
-        their STATS shares and loads (see _groups), for the executor to add up over stages."""
-        run = self._groups()
-
-        def stage(params, x_BLD, places):
-            x_BLD, _, means, load_GX = run(params, x_BLD, places, None)
-            return x_BLD, {**means, LOAD: load_GX}
-
-        return stage
 
 
 def _stacked(make_block, count: int, rngs: nnx.Rngs):
@@ -408,7 +400,7 @@ class LanguageModel:
         the mean loss unchanged and saves putting the logits back in order."""
         (inputs_BL, targets_BL), places, _ = self._lay_out((inputs_BL, targets_BL), segments_BL)
         if self.spec.strategy.pipeline != "none" and self.spec.strategy.context == "none":
-            return self._pipelined_loss(params, inputs_BL, targets_BL, places)
+            return pipelined.loss(self, params, inputs_BL, targets_BL, places)
         return self._objective(*self._loss(params, inputs_BL, targets_BL, places))
 
     def _objective(self, loss, stats: dict):
@@ -422,49 +414,6 @@ class LanguageModel:
         x_BLD, _, stats = model.hidden(inputs_BL, places)
         loss, z_loss = model.head_loss(x_BLD, targets_BL)
         return loss, {**stats, "z_loss": z_loss} if self.spec.z_loss_weight else stats
-
-    def _pipelined_loss(self, params: dict, inputs_BL, targets_BL, places: Placement):
-        """(objective, metrics) as the pipeline schedule's executor computes them (forward and
-        backward in one table, parallel.executor): the embedding on the first stage, the head
-        and the loss on the last, an MoE stage's router losses differentiated where it runs.
-        With context parallelism inside the stages the step differentiates the gpipe or
-        circular forward instead (pipeline.check allows only those then, and no MoE layers):
-        the executor's stages take different branches at a tick, and the ring's collective
-        permutes inside them deadlocked XLA:CPU, whose permutes meet across all devices."""
-        s = self.spec.strategy
-        params = jax.tree.map(lambda p: p.astype(self.spec.dtype), params)  # the executor's map gathers them
-        outer = {name: value for name, value in params.items() if name != "layers"}
-
-        def model(outer):  # the layers' values are not read: their shapes stand in
-            return nnx.merge(self.graphdef, {**outer, "layers": self.shapes["layers"]})
-
-        def embed(outer, tokens_BL, places):
-            return model(outer).embed_tokens(tokens_BL, places)
-
-        def head_loss(outer, x_BLD, targets_BL):  # no z-loss under a pipeline (models.checks)
-            return model(outer).head_loss(x_BLD, targets_BL)[0]
-
-        def primal(stacked, outer, tokens_BL, targets_BL, places):
-            return self._objective(*self._loss({**outer, "layers": stacked}, tokens_BL, targets_BL, places))
-
-        def finish(loss, stats):  # the stages' statistics [P * V, ...], in layer order
-            if not stats:
-                return self._objective(loss, {})
-            load = stats.pop(LOAD)
-            means = {name: value.sum(0) for name, value in stats.items()}
-            return self._objective(loss, model(outer).router_stats(means, load.reshape(-1, load.shape[-1])))
-
-        if self.spec.moe.num_experts:
-            stage = model(outer).moe_stage_fn()
-        else:
-            run_layers = model(outer).stage_fn()
-
-            def stage(params, x_BLD, places):
-                return run_layers(params, x_BLD, places), {}
-
-        fns = executor.Fns(embed, stage, head_loss, lambda x_BLD: constrain(x_BLD, s.layout, RESIDUAL), self.extra_loss)
-        loss = executor.pipelined_loss(s.table(), fns, primal, finish, s.layout)
-        return loss(params["layers"], outer, inputs_BL, targets_BL, places)
 
     def _lay_out(self, arrays_BL: tuple, segments_BL):
         """(arrays, Placement, order): token arrays in natural order, with their positions (from each
@@ -523,16 +472,14 @@ class LanguageModel:
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> dict:
         """An empty KV cache for `batch` sequences of up to `max_len` tokens: {'k', 'v'}, each
         [layers, batch, max_len, kv_heads, head_dim] in `dtype` (the compute dtype)."""
-        s = self.spec
-        shape = (s.num_layers, batch, max_len, s.num_kv_heads, s.d_model // s.num_heads)
-        return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+        return decoding.init_cache(self.spec, batch, max_len, dtype)
 
     def decode(self, params: dict, tokens_BL, positions_BL, cache: dict):
         """(logits_BLV float32, new cache): the tokens' keys and values are written into the cache at
         their positions (consecutive within a row, below max_len) and each token attends to every
         cached position <= its own. One call can prefill a whole prompt; later calls add a token each.
         The cache's slot s must hold position s, so fill it from position 0 without gaps."""
-        return nnx.merge(self.graphdef, params)(tokens_BL, Placement(positions_BL), cache)[:2]
+        return decoding.decode(self.graphdef, params, tokens_BL, positions_BL, cache)
 
 
 def _unflatten(flat: dict) -> dict:

@@ -32,11 +32,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxscale.models.layers import RESIDUAL
 from jaxscale.parallel import fsdp, rings
 from jaxscale.parallel.fsdp import Weights
 from jaxscale.sharding import Entries, entries, keep, to_spec
 
-RESIDUAL = ("batch", "length", "act_embed")
 IDS = ("batch", "act_length")  # token ids and targets: whole over `tensor`, as the rows they pick
 MIB = 2**20
 

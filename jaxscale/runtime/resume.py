@@ -44,11 +44,11 @@ def choose(config, own: Checkpointer) -> Start:
 
 def _checker(run, start: Start, say: Callable[[str], None]):
     """check(config, meta) for Checkpointer.restore: shapes must match; mesh changes are said."""
-    current = run.config.to_dict()
+    current, learned = run.config.to_dict(), run.model.spec.arch.position == "learned"
 
     def check(saved: dict, meta: dict) -> None:
         where = f"checkpoint {start.checkpointer.directory}/{meta.get('step', '?')}"
-        for note in compat.check(saved, current, where, params_only=start.kind == "init"):
+        for note in compat.check(saved, current, where, params_only=start.kind == "init", learned_positions=learned):
             say(f"note: {note}")
         if "mesh" in meta and start.kind == "resume":
             now = {"mesh": dict(run.layout.mesh.shape), "zero_stage": run.layout.zero_stage,

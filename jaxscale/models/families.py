@@ -1,0 +1,48 @@
+"""The model as data: the structure options a transformer is built from, and the families, each
+a named preset of them.
+
+The layers ask the options (`spec.arch.norm`, `spec.arch.position`, ...), never the family's
+name; `model.family` only picks the preset. Adding an option is a field here (its default is
+what every family did before it), the families that differ, its choices, and the code that
+reads it. Plain Python, no JAX: the config checks read it too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxscale.names import FAMILIES as FAMILY_NAMES
+
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """How the transformer's parts are built. Parameter names and shapes follow from these."""
+
+    norm: str = "rmsnorm"         # rmsnorm (scale) | layernorm (scale and bias): every norm of the model
+    mlp: str = "swiglu"           # swiglu: silu(x w_gate) * (x w_up) -> w_down | gelu: gelu(x w_in) -> w_out (tanh)
+    mlp_bias: bool = False        # biases on the MLP's projections (also the experts' and shared experts')
+    position: str = "rope"        # rope: rotary q and k in attention | learned: a table added to the embeddings
+    attention_bias: bool = False  # biases on the q, k, v and output projections
+
+
+# The values each string option takes.
+CHOICES = {"norm": ("rmsnorm", "layernorm"), "mlp": ("swiglu", "gelu"), "position": ("rope", "learned")}
+
+FAMILIES: dict[str, Architecture] = {
+    "llama": Architecture(norm="rmsnorm", mlp="swiglu", mlp_bias=False, position="rope", attention_bias=False),
+    "gpt2": Architecture(norm="layernorm", mlp="gelu", mlp_bias=True, position="learned", attention_bias=True),
+}
+assert tuple(FAMILIES) == FAMILY_NAMES, "names.FAMILIES lists the config's choices: keep it in step"
+
+
+def preset(family: str) -> Architecture:
+    """The family's options; a KeyError for an unknown name (the config checks name the field first)."""
+    return FAMILIES[family]
+
+
+def check(arch: Architecture) -> None:
+    """Raise ValueError for an option outside its choices."""
+    for name, choices in CHOICES.items():
+        value = getattr(arch, name)
+        if value not in choices:
+            raise ValueError(f"Architecture.{name}={value!r}: choose one of {', '.join(choices)}")
