@@ -111,6 +111,11 @@ class Layout:
         what it shares are summed once, at the map's edge."""
         return tuple(a for a in self.axes("batch") if a not in besides)
 
+    def rows_over(self, *axes: str) -> P:
+        """The spec of a [batch, ...] array inside a map over `axes`: its rows split over those of
+        `axes` the batch is split over (replicated over the rest)."""
+        return to_spec([tuple(a for a in self.axes("batch") if a in axes)])
+
     def free_axes(self) -> set[str]:
         """The mesh axes not manual here."""
         return set(self.mesh.axis_names) - set(manual_here())

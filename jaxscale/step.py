@@ -100,7 +100,7 @@ def _accumulate_per_replica(params, batch: Batch, spec: StepSpec):
         return jax.lax.pmean(_accumulate(params, batch, spec), "data")
 
     # check_vma=False: gradients of the replicated params stay per-device until the pmean.
-    return jax.shard_map(local, mesh=spec.layout.mesh, in_specs=(P(), P("data")), out_specs=P(),
+    return jax.shard_map(local, mesh=spec.layout.mesh, in_specs=(P(), spec.layout.rows_over("data")), out_specs=P(),
                          axis_names={"data"}, check_vma=False)(params, batch)
 
 
