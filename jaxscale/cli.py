@@ -42,10 +42,10 @@ def parse_named(argv: list[str], usage: str, flags: dict[str, type]) -> dict:
 
 def _convert(name: str, text: str, kind: type):
     if kind is bool:
-        from jaxscale.config import BOOL_WORDS
+        from jaxscale.config import parse_bool
 
-        if text.strip().lower() in BOOL_WORDS:
-            return BOOL_WORDS[text.strip().lower()]
+        if parse_bool(text) is not None:
+            return parse_bool(text)
     else:
         try:
             return kind(text)

@@ -268,14 +268,18 @@ def _current(config, dotted: str):
     return node
 
 
+def parse_bool(text: str) -> bool | None:
+    """A boolean as a command line writes it (BOOL_WORDS, any case), None for any other word."""
+    return BOOL_WORDS.get(text.strip().lower())
+
+
 def _override_value(config, key: str, text: str):
     """An override's text as a value: a Python literal, else the bare word as a string; for a
     boolean key true/false, yes/no or 1/0 in any case, else a ConfigError."""
     if isinstance(_current(config, key), bool):
-        word = text.strip().lower()
-        if word not in BOOL_WORDS:
+        if parse_bool(text) is None:
             raise ConfigError(key, text, "expected bool: write true or false (yes/no and 1/0 work too)")
-        return BOOL_WORDS[word]
+        return parse_bool(text)
     return _parse_value(text)
 
 

@@ -190,6 +190,15 @@ class MLPKind:
         h = hidden(self.activation(*(project(x, name, False) for name in self.inputs)))
         return project(h, self.output, True)
 
+    def attach(self, module, biased: bool, weight: Callable, bias: Callable) -> None:
+        """Set w_<name> (and with `biased` bias_<name>) on `module` for each projection, inputs
+        first: weight(name, output) and bias(name, output) make them (output: the output
+        projection). Weights are drawn in this order, so it fixes the initialisation."""
+        for name, output in [*((n, False) for n in self.inputs), (self.output, True)]:
+            setattr(module, f"w_{name}", weight(name, output))
+            if biased:
+                setattr(module, f"bias_{name}", bias(name, output))
+
     def names(self, bias: bool) -> tuple[str, ...]:
         """The parameter names, weights then biases."""
         names = (*self.inputs, self.output)
@@ -217,14 +226,11 @@ class MLP(nnx.Module):
         D, F = cfg.d_model, cfg.d_ff
         self.kind, self.biased = MLPS[cfg.arch.mlp], cfg.arch.mlp_bias
         self.matmul, self.layout = Matmul.of(cfg), cfg.strategy.layout
-        for name in self.kind.inputs:
-            setattr(self, f"w_{name}", normal(rngs, (D, F), ("embed", "mlp"), cfg.init_std))
-            if self.biased:
-                setattr(self, f"bias_{name}", zeros((F,), ("mlp",)))
-        out = self.kind.output
-        setattr(self, f"w_{out}", normal(rngs, (F, D), ("mlp", "embed"), cfg.init_std / (2 * cfg.num_layers) ** 0.5))
-        if self.biased:
-            setattr(self, f"bias_{out}", zeros((D,), ("norm",)))
+        out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
+        self.kind.attach(self, self.biased,
+                         lambda _, output: (normal(rngs, (F, D), ("mlp", "embed"), out_std) if output else
+                                            normal(rngs, (D, F), ("embed", "mlp"), cfg.init_std)),
+                         lambda _, output: zeros((D,), ("norm",)) if output else zeros((F,), ("mlp",)))
 
     def __call__(self, x_BLD):
         w = {name: getattr(self, name)[...] for name in self.kind.names(self.biased)}

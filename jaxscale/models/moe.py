@@ -151,14 +151,10 @@ class MoE(nnx.Module):
         out_std = cfg.init_std / (2 * cfg.num_layers) ** 0.5
         self.spec, self.kind, self.biased, self.strategy = m, MLPS[cfg.arch.mlp], cfg.arch.mlp_bias, cfg.strategy
         self.router = normal(rngs, (D, X), ("embed", "router"), cfg.init_std)
-        for name in self.kind.inputs:
-            setattr(self, f"w_{name}", normal(rngs, (X, D, F), EXPERT_AXES[f"w_{name}"], cfg.init_std))
-            if self.biased:
-                setattr(self, f"bias_{name}", zeros((X, F), EXPERT_AXES[f"bias_{name}"]))
-        out = self.kind.output
-        setattr(self, f"w_{out}", normal(rngs, (X, F, D), EXPERT_AXES[f"w_{out}"], out_std))
-        if self.biased:
-            setattr(self, f"bias_{out}", zeros((X, D), EXPERT_AXES[f"bias_{out}"]))
+        self.kind.attach(self, self.biased,
+                         lambda n, output: (normal(rngs, (X, F, D), EXPERT_AXES[f"w_{n}"], out_std) if output else
+                                            normal(rngs, (X, D, F), EXPERT_AXES[f"w_{n}"], cfg.init_std)),
+                         lambda n, output: zeros((X, D) if output else (X, F), EXPERT_AXES[f"bias_{n}"]))
         if m.bias_rate:  # moved by `balance` after each step, never by the optimizer (no gradient)
             self.bias_balance = zeros((X,), ("router",))
         if m.num_shared:  # DeepSeek's shared experts: a dense MLP beside the routed ones
