@@ -38,7 +38,7 @@ def test_the_fp8_matmul_and_its_gradients_are_within_fp8_s_precision(shapes):
 SEEDS = (0, 1, 2)
 
 
-def _trained(fp8_on: bool, seed: int, workdir, steps: int = 150) -> tuple[float, float]:
+def _trained(fp8_on: bool, seed: int, workdir, steps: int = 100) -> tuple[float, float]:
     """(the first loss, the mean of the last 10) of configs/tiny.py in bfloat16 on one CPU device,
     at global batch 4 (a quarter of the config's), from seed `seed`: a training command compiled
     for running (conftest.FAST_RUN), every step logged. The step is the same program for every
@@ -55,13 +55,13 @@ def _trained(fp8_on: bool, seed: int, workdir, steps: int = 150) -> tuple[float,
 
 
 def test_tiny_trains_in_fp8_beside_bfloat16(tmp_path):
-    """150 steps from each of 3 seeds: from each seed fp8 starts where bfloat16 does and its loss
+    """100 steps from each of 3 seeds: from each seed fp8 starts where bfloat16 does and its loss
     falls by at least half as much, and its mean final loss over the seeds is within twice
     bfloat16's own spread over them. A short CPU run's loss depends on the machine's code
     generation (200 steps read fp8 2.597 against bfloat16 2.861 on one x86 VM, 2.682 against 2.722
     on another), so the bound is the runs' own noise, not a fixed share. Measured on a 2-core AMD
-    EPYC VM: bfloat16 ends 2.885, 2.401, 2.356 (spread 0.529, so the bound is 1.059), fp8 2.819,
-    2.490, 2.388 (means 0.019 apart); fp8's falls were 0.97-1.03 of bfloat16's from each seed."""
+    EPYC VM: bfloat16 ends 3.145, 2.747, 2.504 (spread 0.641, so the bound is 1.28), fp8 3.049,
+    2.858, 2.568 (means 0.026 apart); fp8's falls were 0.96-1.04 of bfloat16's from each seed."""
     bf16 = [_trained(False, seed, tmp_path / f"bf16_{seed}") for seed in SEEDS]
     fp8_runs = [_trained(True, seed, tmp_path / f"fp8_{seed}") for seed in SEEDS]
     for (start16, end16), (start8, end8) in zip(bf16, fp8_runs):

@@ -61,15 +61,16 @@ def _config(*overrides):
     return config
 
 
-POD_LAYOUTS = {"fsdp256": ["mesh.fsdp=256"], "zero1_data256": ["mesh.data=256", "zero_stage=1"],
-               "zero3_data256": ["mesh.data=256", "zero_stage=3"]}
+POD_LAYOUTS = {"fsdp64": ["mesh.fsdp=64"], "zero1_data64": ["mesh.data=64", "zero_stage=1"],
+               "zero3_data64": ["mesh.data=64", "zero_stage=3"]}
 
 
 @pytest.fixture(scope="module")
 def pod_plans():
-    """A small model (tiny.py at d_model 256, so fsdp can split it 256 ways) compiled for 256 v5e
-    chips: fsdp over all of them, and data with ZeRO-1 and ZeRO-3."""
-    devices, _ = topology.compile_only_devices("v5e-256")
+    """A small model (tiny.py at d_model 256) compiled for 64 v5e chips: fsdp over all of them,
+    and data with ZeRO-1 and ZeRO-3. (At 256 chips each compile took 15.1 s of CPU against 6.0 s
+    here; the 128-chip slice is configs/llama3_8b.py's below.)"""
+    devices, _ = topology.compile_only_devices("v5e-64")
     return {name: plan_lib.make_plan(_config(*o), "tpu", devices) for name, o in POD_LAYOUTS.items()}
 
 
@@ -143,7 +144,7 @@ def _assert_state_matches_config(plan: dict, config, devices: int, rel: float) -
 @pytest.mark.parametrize("name", list(POD_LAYOUTS))
 def test_state_bytes_from_the_tpu_compiler_match_the_arithmetic(pod_plans, name):
     plan = pod_plans[name]
-    _assert_state_matches_config(plan, _config(*POD_LAYOUTS[name]), 256, rel=0.05)
+    _assert_state_matches_config(plan, _config(*POD_LAYOUTS[name]), 64, rel=0.05)
     assert plan["compiled_bytes"]["code"] > 0  # the TPU executable's own size is reported
 
 
