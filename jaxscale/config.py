@@ -31,6 +31,15 @@ def _add_model(c: ml_collections.ConfigDict) -> None:
         max_seq_len=1024,      # gpt2: learned position table size
         tie_embeddings=True,   # share the input embedding with the output head
         rope_theta=10000.0, norm_eps=1e-5, init_std=0.02,
+        rope_scaling=dict(             # RoPE extended past the pretrained context, as Hugging Face's rope_scaling
+            type="none",               # none | linear | llama3 (Llama 3.1+) | yarn (Qwen's long context)
+            factor=1.0,                # how many times the pretrained context the model reaches
+            original_max_seq_len=8192,  # llama3, yarn: the context the model was pretrained on
+            low_freq_factor=1.0, high_freq_factor=4.0,  # llama3: the band of wavelengths blended
+            beta_fast=32.0, beta_slow=1.0,  # yarn: the rotations between which dimensions are blended
+            attention_factor=0.0,      # yarn: sin and cos scaled by it; 0 = 0.1 ln(factor) + 1
+            truncate=True,             # yarn: the blend's ends rounded out to whole dimensions
+        ),
         dtype="auto",          # compute dtype; auto = bfloat16 on GPU/TPU, float32 on CPU. Parameters stay float32.
         remat="none",          # none | full | dots_saveable: what the backward pass recomputes per layer
         layer_loop="auto",     # scan | unroll | auto (unroll up to 8 layers on one CPU device, else scan)

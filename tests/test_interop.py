@@ -6,6 +6,7 @@ tensor changes the logits. Logits are compared with an absolute tolerance of 1e-
 they are of order 1-5 here.
 """
 
+import dataclasses
 import json
 import tracemalloc
 
@@ -23,6 +24,7 @@ from jaxscale import sharding as shd  # noqa: E402
 from jaxscale.errors import ConfigError  # noqa: E402
 from jaxscale.interop import load_hf_params, model_config_from_hf, save_hf  # noqa: E402
 from jaxscale.models import LanguageModel, ModelSpec  # noqa: E402
+from jaxscale.models.rope import RopeScaling  # noqa: E402
 from jaxscale.state import param_specs  # noqa: E402
 
 ATOL = 1e-4
@@ -30,11 +32,20 @@ VOCAB = 100
 TOKENS = np.random.default_rng(0).integers(0, VOCAB, (2, 16))
 
 
-def _llama(tied: bool):
+def _llama(tied: bool, **rope):
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, rope_theta=50000.0,
-                                      rms_norm_eps=1e-5, tie_word_embeddings=tied)
+                                      rms_norm_eps=1e-5, tie_word_embeddings=tied, max_position_embeddings=512, **rope)
     return transformers.LlamaForCausalLM(config)
+
+
+# Scaled RoPE as Llama 3.1+ (llama3), linear interpolation and YaRN checkpoints carry it. At
+# head_dim 16, theta 5e4 and a pretrained context of 64, the wavelengths (6.3 to 75k positions)
+# fall in every band: llama3 keeps 6.3, blends 24 and divides the rest by the factor; YaRN keeps
+# dimension 0, blends 1 and interpolates the rest.
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
 
 def _gpt2():
@@ -43,13 +54,22 @@ def _gpt2():
     return transformers.GPT2LMHeadModel(config)
 
 
-HF_MODELS = {"llama_gqa_untied": lambda: _llama(False), "llama_tied": lambda: _llama(True), "gpt2": _gpt2}
+HF_MODELS = {"llama_gqa_untied": lambda: _llama(False), "llama_tied": lambda: _llama(True), "gpt2": _gpt2,
+             "llama3_rope": lambda: _llama(False, rope_scaling=dict(LLAMA3_ROPE)),  # a copy: HF adds to it
+             "linear_rope": lambda: _llama(True, rope_scaling={"rope_type": "linear", "factor": 2.0}),
+             "yarn_rope": lambda: _llama(False, rope_scaling=dict(YARN_ROPE))}
 
 SPECS = {
     "llama_gqa_untied": ModelSpec(family="llama", num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
                                   vocab_size=VOCAB, tie_embeddings=False, rope_theta=50000.0),
     "gpt2_tied": ModelSpec(family="gpt2", num_layers=2, d_model=64, num_heads=4, num_kv_heads=4, d_ff=256,
                            vocab_size=VOCAB, max_seq_len=32),
+    "llama3_rope": ModelSpec(family="llama", num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
+                             vocab_size=VOCAB, tie_embeddings=False, rope_theta=50000.0, max_seq_len=512,
+                             rope_scaling=dict(type="llama3", factor=8.0, original_max_seq_len=64)),
+    "yarn_rope": ModelSpec(family="llama", num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
+                           vocab_size=VOCAB, rope_theta=50000.0, max_seq_len=512,
+                           rope_scaling=dict(type="yarn", factor=4.0, original_max_seq_len=64)),
 }
 
 
@@ -95,11 +115,46 @@ def test_import_matches_transformers(name, tmp_path):
     _assert_logits_match(_our_logits(spec, params), _hf_logits(hf))
 
 
+def _hf_greedy(model, prompt: list[int], count: int) -> list[int]:
+    """transformers' full forward over the whole sequence for each new token, its argmax taken.
+    (Its `generate` with a KV cache departs from its own forward on the YaRN model, position 60:
+    measured 74 where the forward's logits give 2 by 0.008.)"""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(count):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("name", ["llama3_rope", "yarn_rope"])
+def test_greedy_continuation_of_a_scaled_rope_model_equals_transformers(name, tmp_path):
+    """32 tokens past the 64-position pretrained context: decoding with the KV cache rotates
+    each new position's keys and queries by the scaled frequencies as transformers does."""
+    from jaxscale.sampling import generate
+
+    hf = _perturbed_hf(name)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    spec = ModelSpec(**model_config_from_hf(tmp_path))
+    prompt = TOKENS[0].tolist() * 3  # 48 tokens: generation runs to position 80
+    assert generate(LanguageModel(spec), load_hf_params(tmp_path, spec), prompt, 32) == _hf_greedy(hf, prompt, 32)
+
+
 def test_import_reads_rope_theta_and_tying(tmp_path):
     _perturbed_hf("llama_tied").save_pretrained(tmp_path, safe_serialization=True)
     fields = model_config_from_hf(tmp_path)
     assert fields["rope_theta"] == 50000.0 and fields["tie_embeddings"] and fields["num_kv_heads"] == 2
+    assert RopeScaling(**fields["rope_scaling"]) == RopeScaling()  # plain RoPE
     assert "head" not in load_hf_params(tmp_path, ModelSpec(**fields))
+
+
+@pytest.mark.parametrize("spelling", ["rope_scaling", "rope_parameters"])
+def test_import_reads_rope_scaling_in_either_spelling(spelling, tmp_path):
+    """transformers 4.x writes rope_scaling beside rope_theta, 5.x rope_parameters holding both."""
+    rope = {"rope_theta": 5e5, **LLAMA3_ROPE} if spelling == "rope_parameters" else LLAMA3_ROPE
+    (tmp_path / "config.json").write_text(json.dumps({**BASE_CONFIGS["llama"], spelling: rope, "rope_theta": 5e5}))
+    fields = model_config_from_hf(tmp_path)
+    assert fields["rope_theta"] == 5e5 and fields["rope_scaling"] == dataclasses.asdict(RopeScaling(
+        type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_seq_len=64))
 
 
 def test_import_base_model_names_and_bf16(tmp_path):
@@ -113,7 +168,8 @@ def test_import_base_model_names_and_bf16(tmp_path):
 
 
 @pytest.mark.parametrize("name, shard_bytes", [("llama_gqa_untied", None), ("gpt2_tied", None),
-                                               ("llama_gqa_untied", 40_000)])
+                                               ("llama_gqa_untied", 40_000), ("llama3_rope", None),
+                                               ("yarn_rope", None)])
 def test_export_matches_transformers(name, shard_bytes, tmp_path):
     spec, kwargs = SPECS[name], {} if shard_bytes is None else {"max_shard_bytes": shard_bytes}
     params = _perturbed_ours(spec)
@@ -169,9 +225,13 @@ BASE_CONFIGS = {
 
 
 @pytest.mark.parametrize("family, changes, field", [
-    ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
-    ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+    ("llama", dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_parameters.rope_type"),
+    ("llama", dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}),
      "rope_parameters.rope_type"),
+    ("llama", dict(rope_scaling={**YARN_ROPE, "mscale": 0.707}), "rope_parameters.mscale"),
+    ("llama", dict(partial_rotary_factor=0.5, rope_scaling={"rope_type": "linear", "factor": 2.0,
+                                                              "partial_rotary_factor": 0.5}),
+     "rope_parameters.partial_rotary_factor"),
     ("llama", dict(attention_bias=True), "attention_bias"),
     ("llama", dict(model_type="mistral"), "model_type"),
     ("gpt2", dict(activation_function="gelu"), "activation_function"),

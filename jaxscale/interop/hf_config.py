@@ -6,15 +6,28 @@ Reads the legacy (transformers 4.x: `rope_theta`, `rope_scaling`) and current (5
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 from jaxscale.errors import ConfigError
 from jaxscale.models.families import preset
+from jaxscale.models.rope import RopeScaling
 
 # The model.* fields an HF config decides.
 FIELDS = ("family", "num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff", "vocab_size",
-          "max_seq_len", "tie_embeddings", "rope_theta", "norm_eps")
+          "max_seq_len", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps")
+
+# RoPE scaling: HF's rope type -> {its key: model.rope_scaling's}; other types and keys are refused.
+_ORIGINAL = {"original_max_position_embeddings": "original_max_seq_len"}
+ROPE_KEYS = {
+    "default": {},
+    "linear": {"factor": "factor"},
+    "llama3": {"factor": "factor", "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
+               **_ORIGINAL},
+    "yarn": {"factor": "factor", "beta_fast": "beta_fast", "beta_slow": "beta_slow",
+             "attention_factor": "attention_factor", "truncate": "truncate", **_ORIGINAL},
+}
 
 # HF settings our model computes at these values only: field -> (supported values, HF's default, why).
 SUPPORTED = {
@@ -22,7 +35,6 @@ SUPPORTED = {
         "hidden_act": (("silu",), "silu", "jaxscale's llama MLP is SwiGLU with silu"),
         "attention_bias": ((False,), False, "jaxscale's llama attention has no biases"),
         "mlp_bias": ((False,), False, "jaxscale's llama MLP has no biases"),
-        "rope_scaling": ((None,), None, "jaxscale implements plain RoPE only, without scaling"),
     },
     "gpt2": {  # gelu_new and gelu_pytorch_tanh are both exactly our tanh-approximated GELU
         "activation_function": (("gelu_new", "gelu_pytorch_tanh"), "gelu_new",
@@ -66,13 +78,22 @@ def _refuse_unsupported(hf: dict, family: str) -> None:
         _refuse_unless(value in supported, field, value, f"{why} (supported: {', '.join(map(repr, supported))})")
 
 
-def _rope_theta(hf: dict) -> float:
-    """rope_theta from either spelling (4.x: rope_theta, 5.x: rope_parameters); RoPE scaling is refused."""
-    params = hf.get("rope_parameters") or {}
+def _rope(hf: dict) -> tuple[float, dict]:
+    """(rope_theta, every model.rope_scaling field) from either spelling (4.x: rope_theta and rope_scaling,
+    5.x: rope_parameters); a rope type or key jaxscale does not compute is refused, naming it."""
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     rope_type = params.get("rope_type", params.get("type", "default"))
-    _refuse_unless(rope_type == "default", "rope_parameters.rope_type", rope_type,
-                   "jaxscale implements plain RoPE only, without scaling; use a checkpoint without it")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    _refuse_unless(rope_type in ROPE_KEYS, "rope_parameters.rope_type", rope_type,
+                   f"jaxscale computes RoPE of types {', '.join(ROPE_KEYS)}; use a checkpoint with one of them")
+    keys = ROPE_KEYS[rope_type]
+    for key in sorted(set(params) - set(keys) - {"rope_type", "type", "rope_theta"}):
+        _refuse_unless(params[key] is None, f"rope_parameters.{key}", params[key],
+                       f"jaxscale's {rope_type} RoPE does not read it (it reads: {', '.join(keys) or 'nothing'})")
+    scaling = {ours: params[theirs] for theirs, ours in keys.items() if params.get(theirs) is not None}
+    if rope_type == "yarn" and "factor" not in scaling:  # DeepSeek's spelling: the ratio of the contexts
+        scaling["factor"] = hf["max_position_embeddings"] / params["original_max_position_embeddings"]
+    scaling = RopeScaling(type="none" if rope_type == "default" else rope_type, **scaling)
+    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), dataclasses.asdict(scaling)
 
 
 def _from_llama(hf: dict) -> dict:
@@ -81,10 +102,11 @@ def _from_llama(hf: dict) -> dict:
     head_dim = hf.get("head_dim") or d_model // heads
     _refuse_unless(head_dim * heads == d_model, "head_dim", head_dim,
                    f"jaxscale needs head_dim * num_attention_heads == hidden_size ({d_model})")
+    theta, scaling = _rope(hf)
     return dict(family="llama", num_layers=hf["num_hidden_layers"], d_model=d_model, num_heads=heads,
                 num_kv_heads=hf.get("num_key_value_heads") or heads, d_ff=hf["intermediate_size"],
                 vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
-                tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_theta=_rope_theta(hf),
+                tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_theta=theta, rope_scaling=scaling,
                 norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
 
 
@@ -94,7 +116,8 @@ def _from_gpt2(hf: dict) -> dict:
     return dict(family="gpt2", num_layers=hf["n_layer"], d_model=d_model, num_heads=hf["n_head"],
                 num_kv_heads=hf["n_head"], d_ff=hf.get("n_inner") or 4 * d_model, vocab_size=hf["vocab_size"],
                 max_seq_len=hf["n_positions"], tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-                rope_theta=10000.0, norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
+                rope_theta=10000.0, rope_scaling=dataclasses.asdict(RopeScaling()),
+                norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
 
 
 def _refuse_other_structure(spec) -> None:
@@ -122,7 +145,18 @@ def hf_config_from_spec(spec) -> dict:
                 head_dim=spec.d_model // spec.num_heads, intermediate_size=spec.d_ff, vocab_size=spec.vocab_size,
                 max_position_embeddings=spec.max_seq_len, rms_norm_eps=spec.norm_eps, rope_theta=spec.rope_theta,
                 hidden_act="silu", attention_bias=False, mlp_bias=False, tie_word_embeddings=spec.tie_embeddings,
-                initializer_range=spec.init_std, torch_dtype="float32")
+                initializer_range=spec.init_std, torch_dtype="float32", **_hf_rope_scaling(spec.rope_scaling))
+
+
+def _hf_rope_scaling(scaling) -> dict:
+    """config.json's rope_scaling for model.rope_scaling (none: no key, plain RoPE)."""
+    if scaling.type == "none":
+        return {}
+    keys = {ours: theirs for theirs, ours in ROPE_KEYS[scaling.type].items()}
+    values = {theirs: getattr(scaling, ours) for ours, theirs in keys.items()}
+    if scaling.type == "yarn" and not scaling.attention_factor:
+        values.pop("attention_factor")  # 0: derived from the factor, as HF derives it from None
+    return {"rope_scaling": {"rope_type": scaling.type, **values}}
 
 
 def check_spec_matches(spec, hf_dir) -> None:
@@ -130,8 +164,9 @@ def check_spec_matches(spec, hf_dir) -> None:
     hf = model_config_from_hf(hf_dir)
     # rope_theta means nothing without RoPE, and max_seq_len shapes a parameter only when positions are learned.
     position = preset(hf["family"]).position
-    skip = {field for field, used in (("rope_theta", position == "rope"), ("max_seq_len", position == "learned"))
-            if not used}
+    skip = {field for field, used in (("rope_theta", position == "rope"), ("rope_scaling", position == "rope"),
+                                      ("max_seq_len", position == "learned")) if not used}
+    hf["rope_scaling"] = RopeScaling(**hf["rope_scaling"])
     for field in FIELDS:
         if field not in skip and getattr(spec, field) != hf[field]:
             fix = f"the Hugging Face checkpoint in {hf_dir} has {hf[field]!r}; set model.{field}={hf[field]!r}"

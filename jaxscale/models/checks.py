@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from jaxscale.errors import require, require_choice, require_non_negative, require_positive
 from jaxscale.models.families import preset
-from jaxscale.names import ATTENTION_IMPLS, DTYPES, FAMILIES, LAYER_LOOPS, PROJECTIONS, REMAT_POLICIES, split_ways
+from jaxscale.names import (
+    ATTENTION_IMPLS,
+    DTYPES,
+    FAMILIES,
+    LAYER_LOOPS,
+    PROJECTIONS,
+    REMAT_POLICIES,
+    ROPE_SCALINGS,
+    split_ways,
+)
 
 _SIZES = ("model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads", "model.d_ff",
           "model.vocab_size", "model.max_seq_len", "model.attention.block_size")
@@ -21,11 +30,24 @@ def check_model(config) -> None:
     for field, value, choices in (("model.family", m.family, FAMILIES), ("model.remat", m.remat, REMAT_POLICIES),
                                   ("model.dtype", m.dtype, DTYPES), ("model.layer_loop", m.layer_loop, LAYER_LOOPS),
                                   ("model.projections", m.projections, PROJECTIONS),
-                                  ("model.attention.impl", m.attention.impl, ATTENTION_IMPLS)):
+                                  ("model.attention.impl", m.attention.impl, ATTENTION_IMPLS),
+                                  ("model.rope_scaling.type", m.rope_scaling.type, ROPE_SCALINGS)):
         require_choice(field, value, choices)
     require_positive(config, _SIZES)
     require_non_negative(config, ("model.head_chunk_mib", "model.z_loss_weight"))
     _check_shapes(m, config.train.seq_len)
+    _check_rope_scaling(m.rope_scaling)
+
+
+def _check_rope_scaling(r) -> None:
+    """A scaled RoPE extends the context: factor >= 1, and llama3's band of wavelengths is not empty."""
+    if r.type == "none":
+        return
+    require(r.factor >= 1, "model.rope_scaling.factor", r.factor, "must be >= 1 (the context grows by it)")
+    require(r.original_max_seq_len > 0, "model.rope_scaling.original_max_seq_len", r.original_max_seq_len,
+            "must be > 0: the context the model was pretrained on")
+    require(r.type != "llama3" or r.high_freq_factor > r.low_freq_factor, "model.rope_scaling.high_freq_factor",
+            r.high_freq_factor, f"must exceed model.rope_scaling.low_freq_factor={r.low_freq_factor}")
 
 
 def _check_shapes(m, seq_len: int) -> None:

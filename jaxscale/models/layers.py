@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale.models import fp8
+from jaxscale.models import fp8, rope
 from jaxscale.models.attention import Placement, cached_attention, kept, self_attention, write_cache
-from jaxscale.models.matmul import apart, project
+from jaxscale.models.matmul import project
 from jaxscale.parallel import context
 from jaxscale.sharding import constrain
 
@@ -95,27 +95,6 @@ def norm(cfg) -> nnx.Module:
     return NORMS[cfg.arch.norm](cfg.d_model, cfg.norm_eps)
 
 
-def _sin_cos(angle_BLE):
-    return jnp.sin(angle_BLE)[:, :, None, :], jnp.cos(angle_BLE)[:, :, None, :]
-
-
-def rope_tables(positions_BL, head_dim: int, theta: float, cpu: bool = False):
-    """(sin, cos), [B, L, 1, E/2] float32, of rotary embedding at these positions, for q and k
-    alike. With `cpu` they are made apart (`matmul.apart`): XLA:CPU would otherwise compute them
-    again for every head, in the fusion that rotates and transposes q (3% of tiny.py's step)."""
-    half = head_dim // 2
-    freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_BLE = positions_BL[..., None].astype(jnp.float32) * freq
-    return apart(_sin_cos, angle_BLE) if cpu else _sin_cos(angle_BLE)
-
-
-def rope(x_BLHE, tables):
-    """Rotary position embedding (rotate-half form) applied in fp32, by `rope_tables`."""
-    sin, cos = tables
-    x1, x2 = jnp.split(x_BLHE.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BLHE.dtype)
-
-
 class Attention(nnx.Module):
     """Causal grouped-query attention: rotary positions when cfg.arch.position is rope, biases
     on every projection when cfg.arch.attention_bias."""
@@ -128,6 +107,7 @@ class Attention(nnx.Module):
         self.wv = normal(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
         self.wo = normal(rngs, (H, E, D), ("heads", "head_dim", "embed"), out_std)
         self.use_rope, self.theta, self.cpu = cfg.arch.position == "rope", cfg.rope_theta, cfg.cpu_matmul
+        self.rope_scaling = cfg.rope_scaling
         self.matmul = Matmul.of(cfg)
         self.impl, self.block, self.strategy = cfg.attention_impl, cfg.attention_block, cfg.strategy
         if cfg.arch.attention_bias:
@@ -151,8 +131,8 @@ class Attention(nnx.Module):
         v_BLKE = self._project(x_BLD, self.wv, "bias_v", "act_kv_heads")
         positions_BL = places.positions
         if self.use_rope:
-            tables = rope_tables(positions_BL, q_BLHE.shape[-1], self.theta, self.cpu)
-            q_BLHE, k_BLKE = rope(q_BLHE, tables), rope(k_BLKE, tables)
+            tables = rope.tables(positions_BL, q_BLHE.shape[-1], self.theta, self.rope_scaling, self.cpu)
+            q_BLHE, k_BLKE = rope.rotate(q_BLHE, tables), rope.rotate(k_BLKE, tables)
         if cache is not None:
             cache = dict(k=write_cache(cache["k"], k_BLKE, positions_BL),
                          v=write_cache(cache["v"], v_BLKE, positions_BL))

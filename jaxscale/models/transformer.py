@@ -24,6 +24,7 @@ from jaxscale.models.families import Architecture, check, preset
 from jaxscale.models.layers import AXES_KEY, INNER, MLP, RESIDUAL, Attention, norm, normal
 from jaxscale.models.moe import EXPERT_LOAD, LOAD, MAX_LOAD, STATS, MoE, MoESpec
 from jaxscale.models.precision import compute_dtype
+from jaxscale.models.rope import RopeScaling
 from jaxscale.models.strategy import Strategy
 from jaxscale.models.vocab import Table, cross_entropy, embed
 from jaxscale.names import UNROLL_UP_TO
@@ -54,6 +55,7 @@ class ModelSpec:
     max_seq_len: int = 1024
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = RopeScaling()  # scaled rotary frequencies (models.rope); a dict is taken too
     norm_eps: float = 1e-5
     init_std: float = 0.02
     remat: str = "none"
@@ -74,6 +76,8 @@ class ModelSpec:
                     weights: fsdp.Weights = fsdp.Weights()) -> ModelSpec:
         names = {f.name for f in dataclasses.fields(cls)} - {"moe", "strategy", "scan_layers", "cpu_matmul", "weights"}
         values = {k: v for k, v in model_cfg.items() if k in names}
+        if "rope_scaling" in model_cfg:
+            values["rope_scaling"] = RopeScaling(**model_cfg.rope_scaling.to_dict())
         if "moe" in model_cfg:
             values["moe"] = MoESpec(**model_cfg.moe.to_dict())
         if "attention" in model_cfg:
@@ -82,6 +86,8 @@ class ModelSpec:
                    cpu_matmul=cpu_matmul, weights=weights)
 
     def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):  # as model_config_from_hf gives it
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         if self.architecture is not None:
             check(self.architecture)
 
