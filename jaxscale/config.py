@@ -25,8 +25,11 @@ from jaxscale.names import AXES, DEFAULT_RULES
 def _add_model(c: ml_collections.ConfigDict) -> None:
     """The model: architecture, compute dtype, remat, attention and mixture of experts."""
     c.model = dict(
-        family="llama",        # llama: RMSNorm, RoPE, GQA, SwiGLU | gpt2: LayerNorm, learned positions, GELU
+        family="llama",        # llama: RMSNorm, RoPE, GQA, SwiGLU | gpt2: LayerNorm, learned positions, GELU |
+                               # mistral: llama's structure | qwen2: llama with biases on q, k, v |
+                               # qwen3: llama with a norm over each query and key head
         num_layers=4, d_model=256, num_heads=4, num_kv_heads=4, d_ff=1024,
+        head_dim=0,            # each attention head's width; 0 = d_model / num_heads
         vocab_size=256,        # >= the tokenizer's vocabulary
         max_seq_len=1024,      # gpt2: learned position table size
         tie_embeddings=True,   # share the input embedding with the output head

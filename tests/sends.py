@@ -32,7 +32,7 @@ class Sizes:
     def of(cls, config, plan: dict) -> Sizes:
         m, mesh, t = config.model, plan["mesh"], config.train
         rows = t.global_batch_size // (mesh["data"] * mesh["fsdp"] * mesh["expert"])
-        length, head_dim = t.seq_len // mesh["sequence"], m.d_model // m.num_heads
+        length, head_dim = t.seq_len // mesh["sequence"], m.head_dim or m.d_model // m.num_heads
         attention = 2 * m.d_model * (m.num_heads + m.num_kv_heads) * head_dim
         moe = m.moe.num_experts and m.num_layers // m.moe.every_n_layers
         experts = m.moe.num_experts
@@ -70,7 +70,7 @@ def param_groups(config) -> dict[str, int]:
     final norm: whole)."""
     m = config.model
     D, H, K, F, V, L = m.d_model, m.num_heads, m.num_kv_heads, m.d_ff, m.vocab_size, m.num_layers
-    E, gpt2 = D // H, m.family == "gpt2"
+    E, gpt2 = m.head_dim or D // H, m.family == "gpt2"
     attention = 2 * D * H * E + 2 * D * K * E + (H * E + 2 * K * E if gpt2 else 0)
     mlp = 2 * D * F + F if gpt2 else 3 * D * F
     other = V * D * (1 if m.tie_embeddings else 2) + (m.max_seq_len * D if gpt2 else 0)

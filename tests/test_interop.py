@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from conftest import make_layout  # noqa: E402
+from conftest import build_for, make_layout  # noqa: E402
 from jaxscale import sharding as shd  # noqa: E402
 from jaxscale.errors import ConfigError  # noqa: E402
 from jaxscale.interop import load_hf_params, model_config_from_hf, save_hf  # noqa: E402
@@ -48,6 +48,14 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
 
+def _built_as_llama(config_class, model_class, tied: bool = False, **fields):
+    """A Llama-structured family (Mistral without a window, Qwen2 with its q, k, v biases)."""
+    config = config_class(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, rope_theta=50000.0, rms_norm_eps=1e-5,
+                          tie_word_embeddings=tied, **fields)
+    return model_class(config)
+
+
 def _gpt2():
     config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32,
                                      bos_token_id=0, eos_token_id=0)
@@ -57,7 +65,13 @@ def _gpt2():
 HF_MODELS = {"llama_gqa_untied": lambda: _llama(False), "llama_tied": lambda: _llama(True), "gpt2": _gpt2,
              "llama3_rope": lambda: _llama(False, rope_scaling=dict(LLAMA3_ROPE)),  # a copy: HF adds to it
              "linear_rope": lambda: _llama(True, rope_scaling={"rope_type": "linear", "factor": 2.0}),
-             "yarn_rope": lambda: _llama(False, rope_scaling=dict(YARN_ROPE))}
+             "yarn_rope": lambda: _llama(False, rope_scaling=dict(YARN_ROPE)),
+             "mistral": lambda: _built_as_llama(transformers.MistralConfig, transformers.MistralForCausalLM,
+                                                sliding_window=None),
+             "qwen2": lambda: _built_as_llama(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, tied=True),
+             # heads twice hidden_size / num_attention_heads wide, as Qwen3-0.6B's and -4B's are
+             "qwen3": lambda: _built_as_llama(transformers.Qwen3Config, transformers.Qwen3ForCausalLM, tied=True,
+                                              head_dim=32)}
 
 SPECS = {
     "llama_gqa_untied": ModelSpec(family="llama", num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
@@ -70,6 +84,12 @@ SPECS = {
     "yarn_rope": ModelSpec(family="llama", num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
                            vocab_size=VOCAB, rope_theta=50000.0, max_seq_len=512,
                            rope_scaling=dict(type="yarn", factor=4.0, original_max_seq_len=64)),
+    "mistral": ModelSpec(family="mistral", num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
+                         vocab_size=VOCAB, tie_embeddings=False, rope_theta=50000.0),
+    "qwen2": ModelSpec(family="qwen2", num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
+                       vocab_size=VOCAB, rope_theta=50000.0),
+    "qwen3": ModelSpec(family="qwen3", num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=32, d_ff=128,
+                       vocab_size=VOCAB, rope_theta=50000.0),
 }
 
 
@@ -169,7 +189,8 @@ def test_import_base_model_names_and_bf16(tmp_path):
 
 @pytest.mark.parametrize("name, shard_bytes", [("llama_gqa_untied", None), ("gpt2_tied", None),
                                                ("llama_gqa_untied", 40_000), ("llama3_rope", None),
-                                               ("yarn_rope", None)])
+                                               ("yarn_rope", None), ("mistral", None), ("qwen2", None),
+                                               ("qwen3", None)])
 def test_export_matches_transformers(name, shard_bytes, tmp_path):
     spec, kwargs = SPECS[name], {} if shard_bytes is None else {"max_shard_bytes": shard_bytes}
     params = _perturbed_ours(spec)
@@ -177,9 +198,34 @@ def test_export_matches_transformers(name, shard_bytes, tmp_path):
     assert (len(files) > 2) == (shard_bytes is not None)
     assert (tmp_path / "model.safetensors.index.json").exists() == (len(files) > 1)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(hf).__name__.lower().startswith(spec.family)  # its own family's class: MistralForCausalLM, ...
     _assert_logits_match(_hf_logits(hf), _our_logits(spec, params))
     again = load_hf_params(tmp_path, spec)  # and back, bit for bit
     jax.tree.map(np.testing.assert_array_equal, again, params)
+
+
+def test_an_imported_qwen3_trains_on_data_fsdp_tensor_as_on_one_device_and_as_transformers(tmp_path):
+    """Loaded straight onto data=2 x fsdp=2 x tensor=2 (its q, k norms whole, its wide heads
+    split over tensor), the first step's loss equals one device's and transformers' own loss on
+    the same tokens, and the gradient norms agree."""
+    hf = _perturbed_hf("qwen3")
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    spec = ModelSpec(**model_config_from_hf(tmp_path))
+    tokens = np.random.default_rng(2).integers(0, VOCAB, (8, 17)).astype(np.int32)
+    with torch.no_grad():
+        logits = hf(torch.tensor(tokens[:, :-1])).logits
+        theirs = float(torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), torch.tensor(tokens[:, 1:]).long()
+                                                         .reshape(-1)))
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+    metrics = []
+    for sizes in (dict(devices=1), dict(data=2, fsdp=2, tensor=2)):
+        run = build_for(spec, rows=8, seq_len=16, **sizes)
+        state = run.init_state(load_hf_params(tmp_path, spec, run.shardings.params))
+        metrics.append(jax.device_get(run.train_step(state, jax.device_put(batch, run.batch_sharding))[1]))
+    one, split = metrics
+    np.testing.assert_allclose(split["loss"], one["loss"], rtol=1e-5)
+    np.testing.assert_allclose(split["grad_norm"], one["grad_norm"], rtol=1e-5)
+    np.testing.assert_allclose(one["loss"], theirs, rtol=1e-5)
 
 
 def test_sharded_load_and_save(tmp_path):
@@ -233,7 +279,12 @@ BASE_CONFIGS = {
                                                               "partial_rotary_factor": 0.5}),
      "rope_parameters.partial_rotary_factor"),
     ("llama", dict(attention_bias=True), "attention_bias"),
-    ("llama", dict(model_type="mistral"), "model_type"),
+    ("llama", dict(model_type="gemma2"), "model_type"),
+    ("llama", dict(model_type="qwen3", attention_bias=True), "attention_bias"),
+    ("llama", dict(model_type="mistral", sliding_window=4096), "sliding_window"),
+    ("llama", dict(model_type="mistral"), "sliding_window"),  # absent: MistralConfig's 4096
+    ("llama", dict(model_type="qwen2", use_sliding_window=True), "use_sliding_window"),
+    ("llama", dict(model_type="qwen2", layer_types=["full_attention", "sliding_attention"]), "layer_types"),
     ("gpt2", dict(activation_function="gelu"), "activation_function"),
 ])
 def test_bad_config_names_the_field(family, changes, field, tmp_path):

@@ -252,7 +252,7 @@ def test_options_combine_freely(experts):
     from jaxscale.models.families import Architecture
     from jaxscale.models.moe import MoESpec
 
-    arch = Architecture(norm="layernorm", mlp="swiglu", mlp_bias=True, position="learned", attention_bias=False)
+    arch = Architecture(norm="layernorm", mlp="swiglu", mlp_bias=True, position="learned", attention_bias="none")
     spec = dataclasses.replace(SPECS["llama_gqa_untied"], architecture=arch, max_seq_len=16,
                                moe=MoESpec(num_experts=experts, num_shared=1))
     model = LanguageModel(spec)

@@ -16,6 +16,7 @@ import math
 
 from jaxscale.analysis.plan_types import AxisCollective, EstimatedBytes, Flops, PipelineSummary, StepWork
 from jaxscale.analysis.state_bytes import expected_bytes
+from jaxscale.models.families import head_size
 from jaxscale.names import AXES
 from jaxscale.parallel import schedules
 
@@ -143,7 +144,7 @@ def estimate(config, layout: Candidate, counts: dict[str, int], flops_per_token:
 def _saved_per_token(m, remat: str, tensor: int) -> float:
     """Elements a layer keeps per token for its backward pass: everything it computed (none), its
     matmuls' outputs (dots_saveable) or only its input (full, which then recomputes one layer's)."""
-    kv = 2 * m.num_kv_heads * (m.d_model // m.num_heads)
+    kv = 2 * m.num_kv_heads * head_size(m)
     if remat == "full":
         return m.d_model
     if remat == "dots_saveable":

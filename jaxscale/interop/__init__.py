@@ -1,4 +1,4 @@
-"""Interoperability with other frameworks' weights: Hugging Face (Llama, GPT-2) import and export.
+"""Interoperability with other frameworks' weights: Hugging Face (Llama, Mistral, Qwen2, GPT-2) import and export.
 
 Needs the `hf` extra (`pip install 'jaxscale[hf]'`): safetensors, and transformers on the
 Hugging Face side.

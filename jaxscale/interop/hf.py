@@ -1,4 +1,4 @@
-"""Hugging Face weights in and out: Llama (LlamaForCausalLM) and GPT-2 (GPT2LMHeadModel).
+"""Hugging Face weights in and out: Llama, Mistral, Qwen2 (their *ForCausalLM) and GPT-2 (GPT2LMHeadModel).
 
 Both directions keep host memory near one tensor (loading) or one shard (saving): tensors are
 read and written one at a time, and stacked layer parameters one layer slice at a time.
@@ -66,7 +66,7 @@ def load_hf_params(hf_dir, spec, shardings=None) -> dict:
 def save_hf(params: dict, spec, out_dir, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
     """Write `params` (a tree shaped like LanguageModel(spec).init) as an HF checkpoint in out_dir.
 
-    Writes config.json (a LlamaConfig or GPT2Config) and float32 safetensors: model.safetensors,
+    Writes config.json (its family's transformers config) and float32 safetensors: model.safetensors,
     or shards of at most max_shard_bytes (a bigger tensor gets a shard alone) plus
     model.safetensors.index.json. Removes safetensors files of an earlier save in out_dir, which
     transformers could otherwise pick up. Arrays may be sharded over this process's devices.

@@ -15,7 +15,7 @@ from jaxscale.models.families import preset
 from jaxscale.models.rope import RopeScaling
 
 # The model.* fields an HF config decides.
-FIELDS = ("family", "num_layers", "d_model", "num_heads", "num_kv_heads", "d_ff", "vocab_size",
+FIELDS = ("family", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "d_ff", "vocab_size",
           "max_seq_len", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps")
 
 # RoPE scaling: HF's rope type -> {its key: model.rope_scaling's}; other types and keys are refused.
@@ -29,12 +29,32 @@ ROPE_KEYS = {
              "attention_factor": "attention_factor", "truncate": "truncate", **_ORIGINAL},
 }
 
+# Families built as Llama: model_type -> (transformers' class, config.json fields that say what we compute).
+LLAMA_LIKE = {"llama": ("LlamaForCausalLM", dict(attention_bias=False, mlp_bias=False)),
+              "mistral": ("MistralForCausalLM", dict(sliding_window=None)),
+              "qwen2": ("Qwen2ForCausalLM", dict(use_sliding_window=False, sliding_window=None)),
+              "qwen3": ("Qwen3ForCausalLM", dict(use_sliding_window=False, sliding_window=None, attention_bias=False))}
+
 # HF settings our model computes at these values only: field -> (supported values, HF's default, why).
 SUPPORTED = {
     "llama": {
         "hidden_act": (("silu",), "silu", "jaxscale's llama MLP is SwiGLU with silu"),
         "attention_bias": ((False,), False, "jaxscale's llama attention has no biases"),
         "mlp_bias": ((False,), False, "jaxscale's llama MLP has no biases"),
+    },
+    "mistral": {  # HF's MistralConfig defaults to Mistral 7B v0.1's window of 4096
+        "hidden_act": (("silu",), "silu", "jaxscale's mistral MLP is SwiGLU with silu"),
+        "sliding_window": ((None,), 4096, "jaxscale has no sliding-window attention yet; checkpoints without "
+                                          "one (sliding_window null: Mistral 7B v0.2 and later) import"),
+    },
+    "qwen2": {
+        "hidden_act": (("silu",), "silu", "jaxscale's qwen2 MLP is SwiGLU with silu"),
+        "use_sliding_window": ((False,), False, "jaxscale has no sliding-window attention yet"),
+    },
+    "qwen3": {
+        "hidden_act": (("silu",), "silu", "jaxscale's qwen3 MLP is SwiGLU with silu"),
+        "use_sliding_window": ((False,), False, "jaxscale has no sliding-window attention yet"),
+        "attention_bias": ((False,), False, "jaxscale's qwen3 attention has no biases"),
     },
     "gpt2": {  # gelu_new and gelu_pytorch_tanh are both exactly our tanh-approximated GELU
         "activation_function": (("gelu_new", "gelu_pytorch_tanh"), "gelu_new",
@@ -60,11 +80,12 @@ def model_config_from_hf(hf_dir) -> dict:
     """
     hf = read_hf_config(hf_dir)
     family = hf.get("model_type")
-    if family == "llama":
-        return _from_llama(hf)
+    if family in LLAMA_LIKE:
+        return _from_llama(hf, family)
     if family == "gpt2":
         return _from_gpt2(hf)
-    raise ConfigError("model_type", family, "jaxscale imports Hugging Face models of type 'llama' or 'gpt2' only")
+    raise ConfigError("model_type", family, "jaxscale imports Hugging Face models of type "
+                      f"{', '.join(map(repr, [*LLAMA_LIKE, 'gpt2']))} only")
 
 
 def _refuse_unless(ok: bool, field: str, value, fix: str):
@@ -96,15 +117,18 @@ def _rope(hf: dict) -> tuple[float, dict]:
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), dataclasses.asdict(scaling)
 
 
-def _from_llama(hf: dict) -> dict:
-    _refuse_unsupported(hf, "llama")
+def _from_llama(hf: dict, family: str) -> dict:
+    """Llama's structure and the families built as it (Mistral; Qwen2 with q, k, v biases; Qwen3
+    with q, k norms). Heads may be wider or narrower than hidden_size / num_attention_heads."""
+    _refuse_unsupported(hf, family)
+    kinds = sorted(set(hf.get("layer_types") or ["full_attention"]))
+    _refuse_unless(kinds == ["full_attention"], "layer_types", kinds, "jaxscale has no sliding-window attention yet")
     d_model, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d_model // heads
-    _refuse_unless(head_dim * heads == d_model, "head_dim", head_dim,
-                   f"jaxscale needs head_dim * num_attention_heads == hidden_size ({d_model})")
     theta, scaling = _rope(hf)
-    return dict(family="llama", num_layers=hf["num_hidden_layers"], d_model=d_model, num_heads=heads,
-                num_kv_heads=hf.get("num_key_value_heads") or heads, d_ff=hf["intermediate_size"],
+    return dict(family=family, num_layers=hf["num_hidden_layers"], d_model=d_model, num_heads=heads,
+                num_kv_heads=hf.get("num_key_value_heads") or heads,
+                head_dim=0 if head_dim * heads == d_model else head_dim, d_ff=hf["intermediate_size"],
                 vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_theta=theta, rope_scaling=scaling,
                 norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
@@ -114,8 +138,9 @@ def _from_gpt2(hf: dict) -> dict:
     _refuse_unsupported(hf, "gpt2")
     d_model = hf["n_embd"]
     return dict(family="gpt2", num_layers=hf["n_layer"], d_model=d_model, num_heads=hf["n_head"],
-                num_kv_heads=hf["n_head"], d_ff=hf.get("n_inner") or 4 * d_model, vocab_size=hf["vocab_size"],
-                max_seq_len=hf["n_positions"], tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                num_kv_heads=hf["n_head"], head_dim=0, d_ff=hf.get("n_inner") or 4 * d_model,
+                vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
+                tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
                 rope_theta=10000.0, rope_scaling=dataclasses.asdict(RopeScaling()),
                 norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
 
@@ -128,9 +153,9 @@ def _refuse_other_structure(spec) -> None:
 
 
 def hf_config_from_spec(spec) -> dict:
-    """A config.json dict (LlamaConfig or GPT2Config) describing the model `spec` builds."""
+    """A config.json dict (its family's transformers config) describing the model `spec` builds."""
     _refuse_unless(not spec.moe.num_experts, "model.moe.num_experts", spec.moe.num_experts,
-                   "Hugging Face export covers dense Llama and GPT-2 models; "
+                   "Hugging Face export covers dense models; "
                    "a mixture-of-experts checkpoint stays in jaxscale's format")
     _refuse_other_structure(spec)
     if spec.family == "gpt2":
@@ -140,12 +165,13 @@ def hf_config_from_spec(spec) -> dict:
                     n_embd=spec.d_model, n_head=spec.num_heads, n_inner=spec.d_ff, vocab_size=spec.vocab_size,
                     n_positions=spec.max_seq_len, layer_norm_epsilon=spec.norm_eps, activation_function="gelu_new",
                     tie_word_embeddings=spec.tie_embeddings, initializer_range=spec.init_std, torch_dtype="float32")
-    return dict(model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=spec.num_layers,
+    architecture, fields = LLAMA_LIKE[spec.family]
+    return dict(model_type=spec.family, architectures=[architecture], num_hidden_layers=spec.num_layers,
                 hidden_size=spec.d_model, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-                head_dim=spec.d_model // spec.num_heads, intermediate_size=spec.d_ff, vocab_size=spec.vocab_size,
+                head_dim=spec.head_size, intermediate_size=spec.d_ff, vocab_size=spec.vocab_size,
                 max_position_embeddings=spec.max_seq_len, rms_norm_eps=spec.norm_eps, rope_theta=spec.rope_theta,
-                hidden_act="silu", attention_bias=False, mlp_bias=False, tie_word_embeddings=spec.tie_embeddings,
-                initializer_range=spec.init_std, torch_dtype="float32", **_hf_rope_scaling(spec.rope_scaling))
+                hidden_act="silu", tie_word_embeddings=spec.tie_embeddings, initializer_range=spec.init_std,
+                torch_dtype="float32", **fields, **_hf_rope_scaling(spec.rope_scaling))
 
 
 def _hf_rope_scaling(scaling) -> dict:

@@ -18,7 +18,7 @@ VECTOR = "vector"  # a bias or norm scale stored flat: ours reshaped
 
 # HF's causal-LM classes keep the base model under this attribute; a checkpoint saved from the
 # base model (GPT2Model, as on the original GPT-2 uploads) has the same names without it.
-BASE_PREFIX = {"llama": "model.", "gpt2": "transformer."}
+BASE_PREFIX = {"llama": "model.", "gpt2": "transformer.", "mistral": "model.", "qwen2": "model.", "qwen3": "model."}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,21 +49,27 @@ def _rows(*rows) -> tuple[Row, ...]:
 _QKV = ("layers/attn/wq", "layers/attn/wk", "layers/attn/wv")
 _QKV_BIAS = ("layers/attn/bias_q", "layers/attn/bias_k", "layers/attn/bias_v")
 
+_LLAMA = _rows(
+    ("embed", "model.embed_tokens.weight", MATRIX),
+    ("head", "lm_head.weight", LINEAR),
+    ("final_norm/scale", "model.norm.weight", VECTOR),
+    ("layers/attn_norm/scale", "model.layers.{i}.input_layernorm.weight", VECTOR),
+    ("layers/attn/wq", "model.layers.{i}.self_attn.q_proj.weight", LINEAR),
+    ("layers/attn/wk", "model.layers.{i}.self_attn.k_proj.weight", LINEAR),
+    ("layers/attn/wv", "model.layers.{i}.self_attn.v_proj.weight", LINEAR),
+    ("layers/attn/wo", "model.layers.{i}.self_attn.o_proj.weight", LINEAR, 2),
+    ("layers/mlp_norm/scale", "model.layers.{i}.post_attention_layernorm.weight", VECTOR),
+    ("layers/mlp/w_gate", "model.layers.{i}.mlp.gate_proj.weight", LINEAR),
+    ("layers/mlp/w_up", "model.layers.{i}.mlp.up_proj.weight", LINEAR),
+    ("layers/mlp/w_down", "model.layers.{i}.mlp.down_proj.weight", LINEAR),
+)
 TABLES: dict[str, tuple[Row, ...]] = {
-    "llama": _rows(
-        ("embed", "model.embed_tokens.weight", MATRIX),
-        ("head", "lm_head.weight", LINEAR),
-        ("final_norm/scale", "model.norm.weight", VECTOR),
-        ("layers/attn_norm/scale", "model.layers.{i}.input_layernorm.weight", VECTOR),
-        ("layers/attn/wq", "model.layers.{i}.self_attn.q_proj.weight", LINEAR),
-        ("layers/attn/wk", "model.layers.{i}.self_attn.k_proj.weight", LINEAR),
-        ("layers/attn/wv", "model.layers.{i}.self_attn.v_proj.weight", LINEAR),
-        ("layers/attn/wo", "model.layers.{i}.self_attn.o_proj.weight", LINEAR, 2),
-        ("layers/mlp_norm/scale", "model.layers.{i}.post_attention_layernorm.weight", VECTOR),
-        ("layers/mlp/w_gate", "model.layers.{i}.mlp.gate_proj.weight", LINEAR),
-        ("layers/mlp/w_up", "model.layers.{i}.mlp.up_proj.weight", LINEAR),
-        ("layers/mlp/w_down", "model.layers.{i}.mlp.down_proj.weight", LINEAR),
-    ),
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA + _rows(*((bias, f"model.layers.{{i}}.self_attn.{name}_proj.bias", VECTOR)
+                              for bias, name in zip(_QKV_BIAS, "qkv"))),
+    "qwen3": _LLAMA + _rows(*((f"layers/attn/{x}_norm/scale", f"model.layers.{{i}}.self_attn.{x}_norm.weight",
+                               VECTOR) for x in "qk")),
     "gpt2": _rows(
         ("embed", "transformer.wte.weight", MATRIX),
         ("pos_embed", "transformer.wpe.weight", MATRIX),

@@ -7,7 +7,7 @@ Config-level only (errors and names): checking a config never builds a model.
 from __future__ import annotations
 
 from jaxscale.errors import require, require_choice, require_non_negative, require_positive
-from jaxscale.models.families import preset
+from jaxscale.models.families import head_size, preset
 from jaxscale.names import (
     ATTENTION_IMPLS,
     DTYPES,
@@ -34,7 +34,7 @@ def check_model(config) -> None:
                                   ("model.rope_scaling.type", m.rope_scaling.type, ROPE_SCALINGS)):
         require_choice(field, value, choices)
     require_positive(config, _SIZES)
-    require_non_negative(config, ("model.head_chunk_mib", "model.z_loss_weight"))
+    require_non_negative(config, ("model.head_dim", "model.head_chunk_mib", "model.z_loss_weight"))
     _check_shapes(m, config.train.seq_len)
     _check_rope_scaling(m.rope_scaling)
 
@@ -54,11 +54,12 @@ def _check_shapes(m, seq_len: int) -> None:
     """Heads split d_model evenly, query heads group over key/value heads, RoPE pairs dimensions,
     and learned positions cover every token (the family's options: models.families)."""
     arch = preset(m.family)
-    require(m.d_model % m.num_heads == 0, "model.num_heads", m.num_heads, f"must divide model.d_model={m.d_model}")
+    require(m.head_dim > 0 or m.d_model % m.num_heads == 0, "model.num_heads", m.num_heads,
+            f"must divide model.d_model={m.d_model} (or set model.head_dim)")
     require(m.num_heads % m.num_kv_heads == 0, "model.num_kv_heads", m.num_kv_heads,
             f"must divide model.num_heads={m.num_heads} (grouped-query attention)")
-    require(arch.position != "rope" or (m.d_model // m.num_heads) % 2 == 0, "model.num_heads", m.num_heads,
-            f"RoPE needs an even head dimension; d_model/num_heads = {m.d_model // max(m.num_heads, 1)}")
+    require(arch.position != "rope" or head_size(m) % 2 == 0, "model.num_heads", m.num_heads,
+            f"RoPE needs an even head dimension; the heads are {head_size(m)} wide")
     require(arch.position != "learned" or seq_len <= m.max_seq_len, "train.seq_len", seq_len,
             f"{m.family} learns positions up to model.max_seq_len={m.max_seq_len}; raise it or shorten seq_len")
 

@@ -18,7 +18,7 @@ from jaxscale.models.attention import Placement
 
 def init_cache(spec, batch: int, max_len: int, dtype=jnp.float32) -> dict:
     """An empty KV cache for `batch` sequences of up to `max_len` tokens of the model `spec` builds."""
-    shape = (spec.num_layers, batch, max_len, spec.num_kv_heads, spec.d_model // spec.num_heads)
+    shape = (spec.num_layers, batch, max_len, spec.num_kv_heads, spec.head_size)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 

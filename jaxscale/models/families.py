@@ -22,17 +22,29 @@ class Architecture:
     mlp: str = "swiglu"           # swiglu: silu(x w_gate) * (x w_up) -> w_down | gelu: gelu(x w_in) -> w_out (tanh)
     mlp_bias: bool = False        # biases on the MLP's projections (also the experts' and shared experts')
     position: str = "rope"        # rope: rotary q and k in attention | learned: a table added to the embeddings
-    attention_bias: bool = False  # biases on the q, k, v and output projections
+    attention_bias: str = "none"  # none | qkv: biases on the q, k, v projections | all: and on the output
+    qk_norm: bool = False         # a norm (of `norm`'s kind) over each query and key head before RoPE
 
 
 # The values each string option takes.
-CHOICES = {"norm": ("rmsnorm", "layernorm"), "mlp": ("swiglu", "gelu"), "position": ("rope", "learned")}
+CHOICES = {"norm": ("rmsnorm", "layernorm"), "mlp": ("swiglu", "gelu"), "position": ("rope", "learned"),
+           "attention_bias": ("none", "qkv", "all")}
 
+LLAMA = Architecture(norm="rmsnorm", mlp="swiglu", mlp_bias=False, position="rope", attention_bias="none")
 FAMILIES: dict[str, Architecture] = {
-    "llama": Architecture(norm="rmsnorm", mlp="swiglu", mlp_bias=False, position="rope", attention_bias=False),
-    "gpt2": Architecture(norm="layernorm", mlp="gelu", mlp_bias=True, position="learned", attention_bias=True),
+    "llama": LLAMA,
+    "gpt2": Architecture(norm="layernorm", mlp="gelu", mlp_bias=True, position="learned", attention_bias="all"),
+    "mistral": LLAMA,  # Llama's structure under Mistral's name (sliding-window checkpoints are refused)
+    "qwen2": dataclasses.replace(LLAMA, attention_bias="qkv"),
+    "qwen3": dataclasses.replace(LLAMA, qk_norm=True),
 }
 assert tuple(FAMILIES) == FAMILY_NAMES, "names.FAMILIES lists the config's choices: keep it in step"
+
+
+def head_size(m) -> int:
+    """Each attention head's width, of a model config or a ModelSpec: model.head_dim, or
+    d_model / num_heads when it is 0."""
+    return m.head_dim or m.d_model // m.num_heads
 
 
 def preset(family: str) -> Architecture:

@@ -97,10 +97,10 @@ def norm(cfg) -> nnx.Module:
 
 class Attention(nnx.Module):
     """Causal grouped-query attention: rotary positions when cfg.arch.position is rope, biases
-    on every projection when cfg.arch.attention_bias."""
+    on the q, k, v projections (attention_bias qkv) and the output too (all)."""
 
     def __init__(self, cfg, rngs: nnx.Rngs):
-        D, H, K, E = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_model // cfg.num_heads
+        D, H, K, E = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_size
         std, out_std = cfg.init_std, cfg.init_std / (2 * cfg.num_layers) ** 0.5
         self.wq = normal(rngs, (D, H, E), ("embed", "heads", "head_dim"), std)
         self.wk = normal(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
@@ -110,10 +110,13 @@ class Attention(nnx.Module):
         self.rope_scaling = cfg.rope_scaling
         self.matmul = Matmul.of(cfg)
         self.impl, self.block, self.strategy = cfg.attention_impl, cfg.attention_block, cfg.strategy
-        if cfg.arch.attention_bias:
+        if cfg.arch.attention_bias != "none":
             self.bias_q = zeros((H, E), ("heads", "head_dim"))
             self.bias_k = zeros((K, E), ("kv_heads", "head_dim"))
             self.bias_v = zeros((K, E), ("kv_heads", "head_dim"))
+        if cfg.arch.qk_norm:  # over each head's E: one scale shared by the heads
+            self.q_norm, self.k_norm = NORMS[cfg.arch.norm](E, cfg.norm_eps), NORMS[cfg.arch.norm](E, cfg.norm_eps)
+        if cfg.arch.attention_bias == "all":
             self.bias_o = zeros((D,), ("norm",))
 
     def _project(self, x_BLD, w, bias_name, heads_axis):
@@ -129,6 +132,8 @@ class Attention(nnx.Module):
         q_BLHE = self._project(x_BLD, self.wq, "bias_q", "act_heads")
         k_BLKE = self._project(x_BLD, self.wk, "bias_k", "act_kv_heads")
         v_BLKE = self._project(x_BLD, self.wv, "bias_v", "act_kv_heads")
+        if hasattr(self, "q_norm"):
+            q_BLHE, k_BLKE = self.q_norm(q_BLHE), self.k_norm(k_BLKE)
         positions_BL = places.positions
         if self.use_rope:
             tables = rope.tables(positions_BL, q_BLHE.shape[-1], self.theta, self.rope_scaling, self.cpu)

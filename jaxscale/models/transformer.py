@@ -20,7 +20,7 @@ from flax import nnx
 from jaxscale.errors import ConfigError
 from jaxscale.models import decoding, fp8, pipelined
 from jaxscale.models.attention import KEPT, Placement, document_positions, resolve_impl
-from jaxscale.models.families import Architecture, check, preset
+from jaxscale.models.families import Architecture, check, head_size, preset
 from jaxscale.models.layers import AXES_KEY, INNER, MLP, RESIDUAL, Attention, norm, normal
 from jaxscale.models.moe import EXPERT_LOAD, LOAD, MAX_LOAD, STATS, MoE, MoESpec
 from jaxscale.models.precision import compute_dtype
@@ -50,6 +50,7 @@ class ModelSpec:
     d_model: int = 64
     num_heads: int = 4
     num_kv_heads: int = 4
+    head_dim: int = 0                 # each attention head's width; 0 = d_model / num_heads (see head_size)
     d_ff: int = 256
     vocab_size: int = 256
     max_seq_len: int = 1024
@@ -97,6 +98,10 @@ class ModelSpec:
         the preset of `family`. (Kept apart from the family, so that changing the family of a
         spec, dataclasses.replace(spec, family=...), changes its structure too.)"""
         return preset(self.family) if self.architecture is None else self.architecture
+
+    @property
+    def head_size(self) -> int:
+        return head_size(self)
 
     @property
     def dtype(self):
@@ -503,7 +508,7 @@ def model_from_config(config, platform: str, layout: Layout | None = None) -> tu
     chosen. Given the run's layout, the model's strategy runs the pipeline schedule, context
     parallel attention and expert dispatch its mesh needs (see Strategy.for_layout)."""
     m = config.model
-    impl, note = resolve_impl(m.attention.impl, platform, compute_dtype(m.dtype, platform), m.d_model // m.num_heads,
+    impl, note = resolve_impl(m.attention.impl, platform, compute_dtype(m.dtype, platform), head_size(m),
                               config.data.document_mask, config.train.seq_len, config.train.deterministic)
     strategy = Strategy() if layout is None else Strategy.for_layout(
         layout, schedule=config.pipeline.schedule, microbatches=config.pipeline.microbatches,
