@@ -22,9 +22,25 @@ def _error(overrides, devices=8, config=None):
 
 def test_defaults_and_shipped_configs_validate():
     validate(config_lib.defaults(), 8)
-    for name in ("tiny", "tiny_moe", "gpt2_124m", "llama_1b", "llama3_8b", "mixtral_8x7b"):
-        config = config_lib.load(str(ROOT / "configs" / f"{name}.py"))
-        validate(config, 8)
+    for path in sorted((ROOT / "configs").glob("*.py")):
+        validate(config_lib.load(str(path)), 8)
+
+
+# The checkpoints' own parameter counts (their model cards and safetensors indexes), to the
+# digits published: the configs build those models.
+PUBLISHED_PARAMS = {"llama3_1_8b": 8.03e9, "llama_1b": 1.24e9, "mistral_7b": 7.25e9, "qwen3_8b": 8.19e9,
+                    "qwen3_1_7b": 1.72e9}
+
+
+@pytest.mark.parametrize("name", PUBLISHED_PARAMS)
+def test_the_model_configs_have_their_checkpoints_parameter_counts(name):
+    import jax
+
+    from jaxscale.models import LanguageModel, ModelSpec
+
+    shapes = LanguageModel(ModelSpec.from_config(config_lib.load(str(ROOT / "configs" / f"{name}.py")).model)).shapes
+    count = sum(x.size for x in jax.tree.leaves(shapes))
+    assert count == pytest.approx(PUBLISHED_PARAMS[name], rel=5e-3), count
 
 
 def test_loading_a_config_does_not_import_jax():
