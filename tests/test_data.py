@@ -150,15 +150,28 @@ def test_hf_tokenizer_json(tmp_path):
     assert set(_rows(data.local_batch(0))) <= set(_windows(stream[:data.num_train_tokens], 8))
 
 
-def test_tiktoken_if_available():
-    tiktoken = pytest.importorskip("tiktoken")
-    try:
-        tiktoken.get_encoding("gpt2")
-    except Exception:  # noqa: BLE001 -- any failure to fetch or read the BPE file
-        pytest.skip("tiktoken's gpt2 file is not cached and there is no network")
-    tok = load_tokenizer("tiktoken:gpt2")
-    assert tok.vocab_size == 50257 and tok.eos_id == 50256
-    assert tok.decode(tok.encode("hello world")) == "hello world"
+def test_a_tiktoken_encoding_tokenizes_and_a_bad_name_is_one_line(monkeypatch, tmp_path):
+    """`data.tokenizer=tiktoken:NAME` through tiktoken itself, on an encoding built here (bytes
+    and two merges, an end-of-text token: no BPE file to download), into a training store; an
+    encoding tiktoken cannot load is a ConfigError naming the field."""
+    import tiktoken
+
+    ranks = {bytes([i]): i for i in range(256)} | {b"th": 256, b"the": 257}
+    tiny = tiktoken.Encoding("tiny", pat_str=r"\s?\w+|\s+|[^\w\s]+", mergeable_ranks=ranks,
+                             special_tokens={"<|endoftext|>": 258})
+    real = tiktoken.get_encoding
+    monkeypatch.setattr(tiktoken, "get_encoding", lambda name: tiny if name == "tiny" else real(name))
+    tok = load_tokenizer("tiktoken:tiny")
+    assert (tok.vocab_size, tok.eos_id) == (259, 258) and tok.encode("the") == [257]
+    assert tok.decode(tok.encode("the lazy dog <|endoftext|>")) == "the lazy dog <|endoftext|>"
+    assert 258 not in tok.encode("<|endoftext|>")  # text spelling the token is data
+    (tmp_path / "a.txt").write_text(TEXT)
+    data = make_data(_config(tmp_path / "a.txt", tokenizer="tiktoken:tiny", seq_len=8, vocab=259), _sharding())
+    stream = np.array(tok.encode(TEXT) + [tok.eos_id])
+    assert data.num_train_tokens + data.num_val_tokens == len(stream) < len(TEXT)
+    with pytest.raises(ConfigError, match="could not load the encoding") as info:
+        load_tokenizer("tiktoken:no_such_encoding")
+    assert info.value.field == "data.tokenizer"
 
 
 def test_order_is_deterministic_and_seeded():
