@@ -44,8 +44,8 @@ def _convert(name: str, text: str, kind: type):
     if kind is bool:
         from jaxscale.config import parse_bool
 
-        if parse_bool(text) is not None:
-            return parse_bool(text)
+        if (value := parse_bool(text)) is not None:
+            return value
     else:
         try:
             return kind(text)

@@ -289,9 +289,9 @@ def _override_value(config, key: str, text: str):
     """An override's text as a value: a Python literal, else the bare word as a string; for a
     boolean key true/false, yes/no or 1/0 in any case, else a ConfigError."""
     if isinstance(_current(config, key), bool):
-        if parse_bool(text) is None:
+        if (value := parse_bool(text)) is None:
             raise ConfigError(key, text, "expected bool: write true or false (yes/no and 1/0 work too)")
-        return parse_bool(text)
+        return value
     return _parse_value(text)
 
 

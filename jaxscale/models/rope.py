@@ -47,7 +47,7 @@ def _llama3(inv: np.ndarray, s: RopeScaling) -> np.ndarray:
     return np.where(medium, blended, scaled)
 
 
-def _yarn(head_dim: int, theta: float, s: RopeScaling) -> np.ndarray:
+def _yarn(inv: np.ndarray, head_dim: int, theta: float, s: RopeScaling) -> np.ndarray:
     """YaRN: dimensions that turn fewer than beta_slow times over the pretrained context are
     interpolated (divided by `factor`), those turning more than beta_fast times kept, a ramp between."""
     def dimension(rotations):
@@ -58,10 +58,8 @@ def _yarn(head_dim: int, theta: float, s: RopeScaling) -> np.ndarray:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, head_dim - 1)
     high = high + 0.001 if low == high else high
-    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
-    kept = 1 - ramp
-    plain = _plain(head_dim, theta)
-    return (plain / s.factor) * (1 - kept) + plain * kept
+    kept = 1 - np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    return (inv / s.factor) * (1 - kept) + inv * kept  # HF's order of operations: the same float32 values
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> np.ndarray:
@@ -72,7 +70,7 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> np
     if scaling.type == "llama3":
         return _llama3(inv, scaling).astype(np.float32)
     if scaling.type == "yarn":
-        return _yarn(head_dim, theta, scaling).astype(np.float32)
+        return _yarn(inv, head_dim, theta, scaling).astype(np.float32)
     return inv
 
 
