@@ -27,7 +27,9 @@ def _add_model(c: ml_collections.ConfigDict) -> None:
     c.model = dict(
         family="llama",        # llama: RMSNorm, RoPE, GQA, SwiGLU | gpt2: LayerNorm, learned positions, GELU |
                                # mistral: llama's structure | qwen2: llama with biases on q, k, v |
-                               # qwen3: llama with a norm over each query and key head
+                               # qwen3: llama with a norm over each query and key head |
+                               # gemma2: (1 + w) RMSNorms before and after attention and the MLP, GeGLU, embeddings
+                               # times sqrt(d_model) | gemma3: gemma2 with a norm over each query and key head
         num_layers=4, d_model=256, num_heads=4, num_kv_heads=4, d_ff=1024,
         head_dim=0,            # each attention head's width; 0 = d_model / num_heads
         vocab_size=256,        # >= the tokenizer's vocabulary
@@ -50,6 +52,15 @@ def _add_model(c: ml_collections.ConfigDict) -> None:
         head_chunk_mib=256.0,  # the training loss runs over the vocabulary in chunks of at most this many MiB of
                                # float32 logits per device (models/vocab.py); 0 = the whole vocabulary at once
         z_loss_weight=0.0,     # + this x mean(logsumexp(logits)^2) in the objective (PaLM's z-loss; 1e-4 typical)
+        layer_pattern="G",     # each layer's attention, repeated over the layers: G global, L a sliding window
+                               # (Gemma 2: LG, Gemma 3: LLLLLG; layer i takes character i mod the length)
+        sliding_window=0,      # the L layers' window: each query sees itself and the window - 1 tokens before it
+        local_rope_theta=0.0,  # the L layers' RoPE base, unscaled (Gemma 3: 10000); 0 = as the G layers
+                               # (model.rope_theta and model.rope_scaling)
+        query_scale=0.0,       # attention scores scaled by query_scale^-0.5 (HF's query_pre_attn_scalar);
+                               # 0 = the head width
+        attn_logit_softcap=0.0,   # attention scores s -> cap * tanh(s / cap) (Gemma 2: 50); 0 = none
+        final_logit_softcap=0.0,  # logits z -> cap * tanh(z / cap) (Gemma 2: 30); 0 = none
         fp8=False,             # the layers' projections in fp8: e4m3 forward, e5m2 gradients, per-tensor scales
                                # of the step (models/fp8.py); NVIDIA compute capability 8.9+, emulated on CPU
         attention=dict(

@@ -45,7 +45,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
 }
 
 # The choices of config settings.
-FAMILIES = ("llama", "gpt2", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "gpt2", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # model.rope_scaling.type (models.rope)
 REMAT_POLICIES = ("none", "full", "dots_saveable")
 LAYER_LOOPS = ("auto", "scan", "unroll")

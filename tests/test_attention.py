@@ -1,11 +1,18 @@
-"""Attention kernel selection: cuDNN where it can run, xla elsewhere, one line saying which."""
+"""Attention kernel selection: cuDNN where it can run, xla elsewhere, one line saying which. Sliding
+windows and soft-capped logits: each kernel against a dense reference, and the work a window saves
+read from the compiled program."""
 
+import re
+
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxscale.build import build
 from jaxscale.errors import ConfigError
-from jaxscale.models.attention import resolve_impl
+from jaxscale.kernels import flash, splash
+from jaxscale.models.attention import Placement, cached_attention, document_positions, resolve_impl, self_attention
 
 
 def test_auto_and_fallbacks():
@@ -27,9 +34,151 @@ def test_a_deterministic_run_takes_no_cudnn_attention():
     assert info.value.field == "model.attention.impl" and "set model.attention.impl=xla" in str(info.value)
 
 
+def test_soft_capped_logits_take_no_cudnn_attention():
+    reason = "cuDNN attention cannot soft-cap attention logits (model.attn_logit_softcap)"
+    assert resolve_impl("auto", "gpu", jnp.bfloat16, 64, softcap=50.0) == ("xla", f"attention: xla ({reason})")
+    assert resolve_impl("cudnn", "gpu", jnp.bfloat16, 64, softcap=50.0) == (
+        "xla", f"warning: model.attention.impl=cudnn falls back to xla: {reason}")
+    assert resolve_impl("auto", "tpu", jnp.bfloat16, 64, length=256, softcap=50.0)[0] == "splash"
+    assert resolve_impl("auto", "gpu", jnp.bfloat16, 64, softcap=0.0)[0] == "cudnn"
+
+
 def test_run_reports_the_fallback(tiny_config):
     tiny_config.model.attention.impl = "cudnn"
     run = build(tiny_config)
     assert run.model.spec.attention_impl == "xla"
     assert [n for n in run.notes if n.startswith("warning:")] == [
         "warning: model.attention.impl=cudnn falls back to xla: cuDNN attention needs an NVIDIA GPU (platform is cpu)"]
+
+
+# Sliding windows and soft-capped logits (Gemma 2/3): every kernel equals a dense reference.
+
+LENGTH, TILE = 64, 16
+
+
+def _reference(q, k, v, positions, segments, window=0, softcap=0.0):
+    """Grouped-query attention as one dense softmax over an explicit [L, S] mask (float32): scores
+    scaled, then soft-capped, then masked (causal by position, one document, inside the window)."""
+    b, length, h, e = q.shape
+    kv = k.shape[2]
+    scores = jnp.einsum("bqkge,bske->bkgqs", q.reshape(b, length, kv, h // kv, e), k) * e ** -0.5
+    if softcap:
+        scores = softcap * jnp.tanh(scores / softcap)
+    back = positions[:, :, None] - positions[:, None, :]
+    visible = (back >= 0) & (segments[:, :, None] == segments[:, None, :])
+    if window:
+        visible &= back < window
+    probs = jax.nn.softmax(jnp.where(visible[:, None, None], scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bkgqs,bske->bqkge", probs, v).reshape(q.shape)
+
+
+def _inputs(documents: bool, length=LENGTH, heads=4, kv_heads=2, dim=8):
+    """q, k, v (grouped-query heads), each token's position within its document, segment ids."""
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q = jax.random.normal(keys[0], (2, length, heads, dim))
+    k = jax.random.normal(keys[1], (2, length, kv_heads, dim))
+    v = jax.random.normal(keys[2], (2, length, kv_heads, dim))
+    starts = jax.random.bernoulli(keys[3], 2 / length, (2, length)) if documents else jnp.zeros((2, length), bool)
+    segments = jnp.cumsum(starts, axis=1).astype(jnp.int32)
+    return q, k, v, document_positions(segments), segments
+
+
+def _with_gradients(f, q, k, v):
+    """f(q, k, v) and the gradients of a fixed random projection of it wrt q, k and v."""
+    out, pullback = jax.vjp(f, q, k, v)
+    return out, *pullback(jax.random.normal(jax.random.PRNGKey(9), out.shape, out.dtype))
+
+
+def _assert_matches(ours, q, k, v, positions, segments, window, softcap, jit=True):
+    def reference(q, k, v):
+        return _reference(q, k, v, positions, segments, window, softcap)
+
+    got = (jax.jit(_with_gradients, static_argnums=0) if jit else _with_gradients)(ours, q, k, v)
+    for a, b in zip(got, _with_gradients(reference, q, k, v)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window, softcap, documents", [
+    (5, 0.0, True),      # narrower than a tile: each query tile visits 2 key tiles
+    (23, 0.0, False),    # not a multiple of the tile: 3 key tiles
+    (100, 0.0, True),    # longer than the sequence: every tile, the mask alone
+    (0, 1.5, False),     # soft-capped, no window
+    (16, 1.5, True),     # both, a window of exactly one tile
+])
+def test_blockwise_window_and_softcap_match_reference(window, softcap, documents):
+    """The xla kernel (flash, through self_attention) with grouped-query heads: output and
+    gradients equal the dense reference, with packed documents (positions restart) too."""
+    q, k, v, positions, segments = _inputs(documents)
+    places = Placement(positions, segments if documents else None)
+
+    def ours(q, k, v):
+        return self_attention(q, k, v, places, "xla", TILE, window=window, softcap=softcap)
+
+    _assert_matches(ours, q, k, v, positions, segments, window, softcap)
+
+
+def test_splash_window_and_softcap_match_reference():
+    """JAX's Pallas splash kernel (Pallas's interpreter on this host), with its local mask and
+    its own soft-cap: two 128-row tiles, packed documents."""
+    q, k, v, positions, segments = _inputs(True, length=256)
+
+    def ours(q, k, v):
+        return splash.attention(q, k, v, segments, block=128, interpret=True, window=100, softcap=1.5)
+
+    _assert_matches(ours, q, k, v, positions, segments, 100, 1.5, jit=False)
+
+
+@pytest.mark.parametrize("window, softcap", [(5, 0.0), (0, 1.5), (5, 1.5)])
+def test_cached_attention_window_and_softcap_match_reference(window, softcap):
+    """Decoding: 3 new tokens per row, at different positions, against a cache of 32 slots (the
+    slots after each query hold tokens it must not see) equal those rows of the dense reference."""
+    q, k, v, positions, segments = _inputs(False, length=32)
+    starts = jnp.array([4, 17])
+    rows = starts[:, None] + jnp.arange(3)
+    new_q = jnp.take_along_axis(q, rows[:, :, None, None], axis=1)
+    got = cached_attention(new_q, k, v, rows, window=window, softcap=softcap)
+    want = jnp.take_along_axis(_reference(q, k, v, positions, segments, window, softcap), rows[:, :, None, None], 1)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _loop_bounds(hlo: str) -> tuple[list[int], list[int]]:
+    """(trip counts of the while loops at the top level, of those inside another loop's body),
+    each read from the bound its condition compares the counter with (`i < constant`)."""
+    computations, name = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"(?:ENTRY )?%(\S+) .*\{$", line)
+        if head:
+            name = head.group(1)
+            computations[name] = []
+        elif line.strip() == "}":
+            name = None
+        elif name:
+            computations[name].append(line)
+    loops = [(comp, re.search(r"condition=%([\w.\-]+), body=%([\w.\-]+)", line).groups())
+             for comp, lines in computations.items() for line in lines if " while(" in line]
+    bodies = {body for _, (_, body) in loops}
+    outer, inner = [], []
+    for comp, (cond, _) in loops:
+        consts = dict(re.findall(r"%(\S+) = s32\[\] constant\((\d+)\)", "\n".join(computations[cond])))
+        root = next(line for line in computations[cond] if "ROOT" in line)
+        bound = re.search(r"compare\(%\S+, %([^)\s]+)\), direction=LT", root).group(1)
+        (inner if comp in bodies else outer).append(int(consts[bound]))
+    return sorted(outer), sorted(inner)
+
+
+def test_a_window_bounds_the_key_tiles_each_query_tile_visits():
+    """In the compiled program (forward and backward), with L = 1024 in tiles of 128, the inner
+    loops over key tiles (forward) and query tiles (backward) run ceil((W - 1) / 128) + 1 = 2
+    trips with a window of W = 128, against 8 (L / 128) without: work grows with L·W, not L²."""
+    q = jnp.zeros((1, 1024, 2, 8))
+    k = jnp.zeros((1, 1024, 1, 8))
+    positions = jnp.broadcast_to(jnp.arange(1024), (1, 1024))
+
+    def compiled(window):
+        def loss(q, k, v):
+            return flash.attention(q, k, v, positions, positions, block=128, window=window).sum()
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, k).compile().as_text()
+
+    assert _loop_bounds(compiled(128)) == ([8, 8], [2, 2])
+    assert _loop_bounds(compiled(0)) == ([8, 8], [8, 8])
+    assert [flash.band_for(w, 128, 8) for w in (1, 128, 129, 130, 769, 770)] == [1, 2, 2, 3, 7, 0]

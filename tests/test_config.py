@@ -29,7 +29,7 @@ def test_defaults_and_shipped_configs_validate():
 # The checkpoints' own parameter counts (their model cards and safetensors indexes), to the
 # digits published: the configs build those models.
 PUBLISHED_PARAMS = {"llama3_1_8b": 8.03e9, "llama_1b": 1.24e9, "mistral_7b": 7.25e9, "qwen3_8b": 8.19e9,
-                    "qwen3_1_7b": 1.72e9}
+                    "qwen3_1_7b": 1.72e9, "gemma2_2b": 2.61e9, "gemma3_1b": 1.00e9}
 
 
 @pytest.mark.parametrize("name", PUBLISHED_PARAMS)
@@ -138,6 +138,17 @@ def test_a_path_on_the_command_line_means_the_file_source():
     (["data.val_fraction=1.5"], "data.val_fraction", "between 0 and 1"),
     (["data.source=synthetic", "data.path=x.txt"], "data.source", "data.path or data.mixture is set"),
     (["model.family=gpt2", "train.seq_len=2048"], "train.seq_len", "max_seq_len"),
+    (["model.layer_pattern=LX"], "model.layer_pattern", "G (global) or L (sliding window)"),
+    (["model.layer_pattern=LG"], "model.sliding_window", "set their window"),
+    (["model.attn_logit_softcap=-1"], "model.attn_logit_softcap", ">= 0"),
+    (["model.layer_pattern=LG", "model.sliding_window=8", "model.moe.num_experts=4"], "model.layer_pattern",
+     "one attention kind for every layer"),
+    (["model.layer_pattern=LLG", "model.sliding_window=8", "mesh.data=4", "mesh.pipeline=2"],
+     "model.layer_pattern", "multiple of 6"),
+    (["model.layer_pattern=LG", "model.sliding_window=8", "mesh.data=4", "mesh.sequence=2"],
+     "model.layer_pattern", "no sliding-window attention"),
+    (["model.attn_logit_softcap=50", "mesh.data=4", "mesh.sequence=2"], "model.attn_logit_softcap",
+     "does not soft-cap"),
 ])
 def test_bad_input_names_field(overrides, field, words):
     error = _error(overrides)

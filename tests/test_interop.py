@@ -62,6 +62,27 @@ def _gpt2():
     return transformers.GPT2LMHeadModel(config)
 
 
+# Gemma at sizes where each option shows: windows of 5 and 4 tokens of 16, scores soft-capped at 2
+# and logits at 8 (both of order 1-5 here), a query scale of 24 on 16-wide heads; Gemma 3 with its
+# two RoPEs (the global one scaled) and three layers, so that its pattern (LG) leaves one over.
+def _gemma2():
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24, sliding_window=5, attn_logit_softcapping=2.0,
+        final_logit_softcapping=8.0, rope_theta=5e4, attn_implementation="eager")  # sdpa cannot soft-cap
+    return transformers.Gemma2ForCausalLM(config)
+
+
+def _gemma3():
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e4}}
+    config = transformers.Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=4, rope_parameters=rope,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], attn_implementation="eager")
+    return transformers.Gemma3ForCausalLM(config)
+
+
 HF_MODELS = {"llama_gqa_untied": lambda: _llama(False), "llama_tied": lambda: _llama(True), "gpt2": _gpt2,
              "llama3_rope": lambda: _llama(False, rope_scaling=dict(LLAMA3_ROPE)),  # a copy: HF adds to it
              "linear_rope": lambda: _llama(True, rope_scaling={"rope_type": "linear", "factor": 2.0}),
@@ -71,7 +92,10 @@ HF_MODELS = {"llama_gqa_untied": lambda: _llama(False), "llama_tied": lambda: _l
              "qwen2": lambda: _built_as_llama(transformers.Qwen2Config, transformers.Qwen2ForCausalLM, tied=True),
              # heads twice hidden_size / num_attention_heads wide, as Qwen3-0.6B's and -4B's are
              "qwen3": lambda: _built_as_llama(transformers.Qwen3Config, transformers.Qwen3ForCausalLM, tied=True,
-                                              head_dim=32)}
+                                              head_dim=32),
+             "mistral_window": lambda: _built_as_llama(transformers.MistralConfig, transformers.MistralForCausalLM,
+                                                       sliding_window=6, attn_implementation="eager"),
+             "gemma2": _gemma2, "gemma3": _gemma3}
 
 SPECS = {
     "llama_gqa_untied": ModelSpec(family="llama", num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
@@ -90,6 +114,12 @@ SPECS = {
                        vocab_size=VOCAB, rope_theta=50000.0),
     "qwen3": ModelSpec(family="qwen3", num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, head_dim=32, d_ff=128,
                        vocab_size=VOCAB, rope_theta=50000.0),
+    "gemma2": ModelSpec(family="gemma2", num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
+                        vocab_size=VOCAB, rope_theta=5e4, layer_pattern="LG", sliding_window=5, query_scale=24.0,
+                        attn_logit_softcap=2.0, final_logit_softcap=8.0, norm_eps=1e-6),
+    "gemma3": ModelSpec(family="gemma3", num_layers=3, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
+                        vocab_size=VOCAB, rope_theta=5e4, rope_scaling=dict(type="linear", factor=2.0),
+                        layer_pattern="LG", sliding_window=4, local_rope_theta=1e4, norm_eps=1e-6),
 }
 
 
@@ -146,10 +176,11 @@ def _hf_greedy(model, prompt: list[int], count: int) -> list[int]:
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("name", ["llama3_rope", "yarn_rope"])
+@pytest.mark.parametrize("name", ["llama3_rope", "yarn_rope", "gemma3"])
 def test_greedy_continuation_of_a_scaled_rope_model_equals_transformers(name, tmp_path):
     """32 tokens past the 64-position pretrained context: decoding with the KV cache rotates
-    each new position's keys and queries by the scaled frequencies as transformers does."""
+    each new position's keys and queries by the scaled frequencies as transformers does (and
+    Gemma 3's local layers attend to their window of the cache, rotated by their own RoPE)."""
     from jaxscale.sampling import generate
 
     hf = _perturbed_hf(name)
@@ -190,25 +221,28 @@ def test_import_base_model_names_and_bf16(tmp_path):
 @pytest.mark.parametrize("name, shard_bytes", [("llama_gqa_untied", None), ("gpt2_tied", None),
                                                ("llama_gqa_untied", 40_000), ("llama3_rope", None),
                                                ("yarn_rope", None), ("mistral", None), ("qwen2", None),
-                                               ("qwen3", None)])
+                                               ("qwen3", None), ("gemma2", None), ("gemma3", None)])
 def test_export_matches_transformers(name, shard_bytes, tmp_path):
     spec, kwargs = SPECS[name], {} if shard_bytes is None else {"max_shard_bytes": shard_bytes}
     params = _perturbed_ours(spec)
     files = save_hf(params, spec, tmp_path, **kwargs)
     assert (len(files) > 2) == (shard_bytes is not None)
     assert (tmp_path / "model.safetensors.index.json").exists() == (len(files) > 1)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert type(hf).__name__.lower().startswith(spec.family)  # its own family's class: MistralForCausalLM, ...
+    assert model_config_from_hf(tmp_path)["layer_pattern"] == spec.layer_pattern
     _assert_logits_match(_hf_logits(hf), _our_logits(spec, params))
     again = load_hf_params(tmp_path, spec)  # and back, bit for bit
     jax.tree.map(np.testing.assert_array_equal, again, params)
 
 
-def test_an_imported_qwen3_trains_on_data_fsdp_tensor_as_on_one_device_and_as_transformers(tmp_path):
-    """Loaded straight onto data=2 x fsdp=2 x tensor=2 (its q, k norms whole, its wide heads
-    split over tensor), the first step's loss equals one device's and transformers' own loss on
-    the same tokens, and the gradient norms agree."""
-    hf = _perturbed_hf("qwen3")
+@pytest.mark.parametrize("name", ["qwen3", "gemma2"])
+def test_an_imported_model_trains_on_data_fsdp_tensor_as_on_one_device_and_as_transformers(name, tmp_path):
+    """Loaded straight onto data=2 x fsdp=2 x tensor=2 (Qwen3's q, k norms whole, its wide heads
+    split over tensor; Gemma 2's windows and soft-caps in the blockwise kernel's backward and the
+    vocabulary-parallel loss), the first step's loss equals one device's and transformers' own
+    loss on the same tokens, and the gradient norms agree."""
+    hf = _perturbed_hf(name)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     spec = ModelSpec(**model_config_from_hf(tmp_path))
     tokens = np.random.default_rng(2).integers(0, VOCAB, (8, 17)).astype(np.int32)
@@ -279,12 +313,14 @@ BASE_CONFIGS = {
                                                               "partial_rotary_factor": 0.5}),
      "rope_parameters.partial_rotary_factor"),
     ("llama", dict(attention_bias=True), "attention_bias"),
-    ("llama", dict(model_type="gemma2"), "model_type"),
+    ("llama", dict(model_type="gemma3"), "model_type"),  # multimodal: its text model is gemma3_text
+    ("llama", dict(model_type="phi3"), "model_type"),
     ("llama", dict(model_type="qwen3", attention_bias=True), "attention_bias"),
-    ("llama", dict(model_type="mistral", sliding_window=4096), "sliding_window"),
-    ("llama", dict(model_type="mistral"), "sliding_window"),  # absent: MistralConfig's 4096
     ("llama", dict(model_type="qwen2", use_sliding_window=True), "use_sliding_window"),
     ("llama", dict(model_type="qwen2", layer_types=["full_attention", "sliding_attention"]), "layer_types"),
+    ("llama", dict(model_type="gemma2", hidden_activation="gelu"), "hidden_activation"),
+    ("llama", dict(model_type="gemma3_text", use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ("llama", dict(model_type="gemma2", layer_types=["chunked_attention", "full_attention"]), "layer_types"),
     ("gpt2", dict(activation_function="gelu"), "activation_function"),
 ])
 def test_bad_config_names_the_field(family, changes, field, tmp_path):

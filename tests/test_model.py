@@ -177,6 +177,34 @@ def test_unrolled_layers_are_the_scanned_function_without_the_loop(remat):
     assert "dynamic-update-slice" in scanned  # the scan stacks its residuals; unrolled, nothing to stack
 
 
+def test_a_layer_pattern_gives_each_layer_its_kind_in_every_loop():
+    """Five layers of the pattern LLG (windows of 3 tokens, rotated by their own RoPE base): the
+    scan over the whole period and the two layers past it, the unrolled layers, and decoding
+    with the KV cache (a prompt, then a token a call) compute one function; the windows change it."""
+    spec = dataclasses.replace(SPECS["llama_gqa_untied"], num_layers=5, layer_pattern="LLG", sliding_window=3,
+                               local_rope_theta=500.0)
+    tokens, out = _tokens(), {}
+    for scan in (True, False):
+        model = LanguageModel(dataclasses.replace(spec, scan_layers=scan))
+        params = model.init(jax.random.PRNGKey(0))
+        out[scan] = jax.jit(jax.value_and_grad(lambda p, model=model: model.loss(p, tokens[:, :-1], tokens[:, 1:])[0]))(
+            params)
+    np.testing.assert_allclose(out[False][0], out[True][0], rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), out[False][1], out[True][1])
+    model = LanguageModel(spec)
+    logits = model.apply(params, tokens)
+    positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), tokens.shape)
+    prompt, cache = model.decode(params, tokens[:, :10], positions[:, :10], model.init_cache(2, 16))
+    steps = [prompt]
+    for i in range(10, 16):
+        step, cache = model.decode(params, tokens[:, i:i + 1], positions[:, i:i + 1], cache)
+        steps.append(step)
+    np.testing.assert_allclose(jnp.concatenate(steps, 1), logits, rtol=1e-5, atol=1e-5)
+    glob = LanguageModel(dataclasses.replace(spec, layer_pattern="G"))
+    assert not np.allclose(glob.apply(params, tokens)[:, 3:], logits[:, 3:], atol=1e-3)  # beyond the window
+    np.testing.assert_allclose(glob.apply(params, tokens)[:, :1], logits[:, :1], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("platform, devices, layers, scan", [
     ("cpu", 1, 2, False), ("cpu", 1, 9, True), ("cpu", 8, 2, True), ("tpu", 1, 2, True), ("gpu", 1, 2, True)])
 def test_layer_loop_auto_unrolls_small_models_on_one_cpu_device(platform, devices, layers, scan):

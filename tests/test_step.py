@@ -138,6 +138,15 @@ def test_every_schedule_equals_one_device(deep_reference, optim_cfg, name):
                  deep_reference, rtol=1e-5)
 
 
+def test_a_layer_pattern_in_pipeline_stages_equals_one_device(optim_cfg):
+    """Each of 2 stages holds a whole period of LG (windows of 8 tokens of 32 on the L layers,
+    scores soft-capped): 1F1B's executor runs each layer as its kind, as one device does."""
+    spec = ModelSpec(**{**DEEP.__dict__, "layer_pattern": "LG", "sliding_window": 8, "attn_logit_softcap": 5.0})
+    strategy = dict(schedule="1f1b", microbatches=4)
+    _assert_same(_run(_layout(pipeline=2), 1, optim_cfg, steps=2, spec=spec, strategy=strategy),
+                 _run(_layout(1), 1, optim_cfg, steps=2, spec=spec), rtol=1e-5)
+
+
 DEEPER = ModelSpec(**{**SPEC.__dict__, "num_layers": 8})
 
 

@@ -11,7 +11,9 @@ SHAPE_FIELDS = ("model.family", "model.num_layers", "model.d_model", "model.num_
 LEARNED_POSITION_FIELDS = ("model.max_seq_len",)  # the learned position table's length
 STATE_FIELDS = ("guard.spike_window",)
 # Model options that change the function but not the shapes: allowed, but said.
-NOTED_FIELDS = ("model.rope_theta", "model.rope_scaling", "model.norm_eps")
+NOTED_FIELDS = ("model.rope_theta", "model.rope_scaling", "model.norm_eps", "model.layer_pattern",
+                "model.sliding_window", "model.local_rope_theta", "model.query_scale", "model.attn_logit_softcap",
+                "model.final_logit_softcap")
 
 
 def _get(config: dict, dotted: str):

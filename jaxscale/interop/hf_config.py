@@ -11,12 +11,18 @@ import json
 from pathlib import Path
 
 from jaxscale.errors import ConfigError
-from jaxscale.models.families import preset
+from jaxscale.models.families import expand, period, preset
 from jaxscale.models.rope import RopeScaling
 
 # The model.* fields an HF config decides.
 FIELDS = ("family", "num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "d_ff", "vocab_size",
-          "max_seq_len", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps")
+          "max_seq_len", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps", "layer_pattern",
+          "sliding_window", "local_rope_theta", "query_scale", "attn_logit_softcap", "final_logit_softcap")
+# What a model without sliding windows, soft-caps or another attention scale has in those fields.
+PLAIN_ATTENTION = dict(layer_pattern="G", sliding_window=0, local_rope_theta=0.0, query_scale=0.0,
+                       attn_logit_softcap=0.0, final_logit_softcap=0.0)
+# HF's layer_types -> model.layer_pattern's letters.
+LAYER_TYPES = {"full_attention": "G", "sliding_attention": "L"}
 
 # RoPE scaling: HF's rope type -> {its key: model.rope_scaling's}; other types and keys are refused.
 _ORIGINAL = {"original_max_position_embeddings": "original_max_seq_len"}
@@ -31,9 +37,13 @@ ROPE_KEYS = {
 
 # Families built as Llama: model_type -> (transformers' class, config.json fields that say what we compute).
 LLAMA_LIKE = {"llama": ("LlamaForCausalLM", dict(attention_bias=False, mlp_bias=False)),
-              "mistral": ("MistralForCausalLM", dict(sliding_window=None)),
+              "mistral": ("MistralForCausalLM", {}),
               "qwen2": ("Qwen2ForCausalLM", dict(use_sliding_window=False, sliding_window=None)),
               "qwen3": ("Qwen3ForCausalLM", dict(use_sliding_window=False, sliding_window=None, attention_bias=False))}
+
+# Gemma's families: jaxscale's name -> (HF's model_type, transformers' class, the period of HF's default layer_types).
+GEMMA = {"gemma2": ("gemma2", "Gemma2ForCausalLM", "LG"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM", "LLLLLG")}
+MODEL_TYPES = {model_type: family for family, (model_type, _, _) in GEMMA.items()}
 
 # HF settings our model computes at these values only: field -> (supported values, HF's default, why).
 SUPPORTED = {
@@ -42,20 +52,26 @@ SUPPORTED = {
         "attention_bias": ((False,), False, "jaxscale's llama attention has no biases"),
         "mlp_bias": ((False,), False, "jaxscale's llama MLP has no biases"),
     },
-    "mistral": {  # HF's MistralConfig defaults to Mistral 7B v0.1's window of 4096
+    "mistral": {
         "hidden_act": (("silu",), "silu", "jaxscale's mistral MLP is SwiGLU with silu"),
-        "sliding_window": ((None,), 4096, "jaxscale has no sliding-window attention yet; checkpoints without "
-                                          "one (sliding_window null: Mistral 7B v0.2 and later) import"),
     },
     "qwen2": {
         "hidden_act": (("silu",), "silu", "jaxscale's qwen2 MLP is SwiGLU with silu"),
-        "use_sliding_window": ((False,), False, "jaxscale has no sliding-window attention yet"),
+        "use_sliding_window": ((False,), False, "jaxscale reads Qwen's windows on no layers only "
+                                                "(they depend on max_window_layers)"),
     },
     "qwen3": {
         "hidden_act": (("silu",), "silu", "jaxscale's qwen3 MLP is SwiGLU with silu"),
-        "use_sliding_window": ((False,), False, "jaxscale has no sliding-window attention yet"),
+        "use_sliding_window": ((False,), False, "jaxscale reads Qwen's windows on no layers only "
+                                                "(they depend on max_window_layers)"),
         "attention_bias": ((False,), False, "jaxscale's qwen3 attention has no biases"),
     },
+    **{family: {
+        "hidden_activation": (("gelu_pytorch_tanh",), "gelu_pytorch_tanh",
+                              f"jaxscale's {family} MLP is GeGLU with the tanh-approximated GELU"),
+        "attention_bias": ((False,), False, f"jaxscale's {family} attention has no biases"),
+        "use_bidirectional_attention": ((None, False), None, "jaxscale's attention is causal"),
+    } for family in GEMMA},
     "gpt2": {  # gelu_new and gelu_pytorch_tanh are both exactly our tanh-approximated GELU
         "activation_function": (("gelu_new", "gelu_pytorch_tanh"), "gelu_new",
                                 "jaxscale's gpt2 MLP uses the tanh-approximated GELU"),
@@ -82,10 +98,14 @@ def model_config_from_hf(hf_dir) -> dict:
     family = hf.get("model_type")
     if family in LLAMA_LIKE:
         return _from_llama(hf, family)
+    if family in MODEL_TYPES:
+        return _from_gemma(hf, MODEL_TYPES[family])
     if family == "gpt2":
         return _from_gpt2(hf)
-    raise ConfigError("model_type", family, "jaxscale imports Hugging Face models of type "
-                      f"{', '.join(map(repr, [*LLAMA_LIKE, 'gpt2']))} only")
+    fix = ("is a multimodal Gemma 3; jaxscale imports Gemma 3 text models (model_type gemma3_text, as "
+           "gemma-3-1b)" if family == "gemma3" else "jaxscale imports Hugging Face models of type "
+           f"{', '.join(map(repr, [*LLAMA_LIKE, *MODEL_TYPES, 'gpt2']))} only")
+    raise ConfigError("model_type", family, fix)
 
 
 def _refuse_unless(ok: bool, field: str, value, fix: str):
@@ -117,21 +137,75 @@ def _rope(hf: dict) -> tuple[float, dict]:
     return float(params.get("rope_theta", hf.get("rope_theta", 10000.0))), dataclasses.asdict(scaling)
 
 
-def _from_llama(hf: dict, family: str) -> dict:
-    """Llama's structure and the families built as it (Mistral; Qwen2 with q, k, v biases; Qwen3
-    with q, k norms). Heads may be wider or narrower than hidden_size / num_attention_heads."""
-    _refuse_unsupported(hf, family)
-    kinds = sorted(set(hf.get("layer_types") or ["full_attention"]))
-    _refuse_unless(kinds == ["full_attention"], "layer_types", kinds, "jaxscale has no sliding-window attention yet")
+def _shape(hf: dict, family: str, tied_by_default: bool) -> dict:
+    """The fields of a RoPE model in transformers' usual names (Llama's, Gemma's)."""
     d_model, heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d_model // heads
-    theta, scaling = _rope(hf)
     return dict(family=family, num_layers=hf["num_hidden_layers"], d_model=d_model, num_heads=heads,
                 num_kv_heads=hf.get("num_key_value_heads") or heads,
                 head_dim=0 if head_dim * heads == d_model else head_dim, d_ff=hf["intermediate_size"],
                 vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
-                tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_theta=theta, rope_scaling=scaling,
-                norm_eps=float(hf.get("rms_norm_eps", 1e-6)))
+                tie_embeddings=bool(hf.get("tie_word_embeddings", tied_by_default)),
+                norm_eps=float(hf.get("rms_norm_eps", 1e-6)), **PLAIN_ATTENTION)
+
+
+def _from_llama(hf: dict, family: str) -> dict:
+    """Llama's structure and the families built as it (Mistral, with a window on every layer
+    where it has one; Qwen2 with q, k, v biases; Qwen3 with q, k norms). Heads may be wider or
+    narrower than hidden_size / num_attention_heads."""
+    _refuse_unsupported(hf, family)
+    kinds = sorted(set(hf.get("layer_types") or ["full_attention"]))
+    _refuse_unless(kinds == ["full_attention"], "layer_types", kinds,
+                   f"jaxscale reads {family}'s sliding windows from sliding_window only")
+    fields = _shape(hf, family, tied_by_default=False)
+    fields["rope_theta"], fields["rope_scaling"] = _rope(hf)
+    window = hf.get("sliding_window", 4096) if family == "mistral" else None  # MistralConfig's default: 4096
+    return {**fields, **(dict(layer_pattern="L", sliding_window=int(window)) if window else {})}
+
+
+def _layer_pattern(hf: dict, default_period: str) -> str:
+    """model.layer_pattern from HF's layer_types (absent: the family's default period), as its
+    shortest repeating unit."""
+    types = hf.get("layer_types") or [default_period[i % len(default_period)] for i in range(hf["num_hidden_layers"])]
+    letters = [LAYER_TYPES.get(t, t) for t in types]
+    unknown = sorted(set(letters) - set(LAYER_TYPES.values()))
+    _refuse_unless(not unknown, "layer_types", unknown, f"jaxscale builds layers of types {', '.join(LAYER_TYPES)}")
+    return period("".join(letters), len(letters))
+
+
+def _gemma3_rope(hf: dict) -> dict:
+    """Gemma 3's two RoPEs: rope_theta and rope_scaling of the global layers, local_rope_theta of
+    the sliding-window ones (unscaled), from either spelling (5.x: rope_parameters per layer type)."""
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params:
+        local = params.get("sliding_attention") or {}
+        _refuse_unless(local.get("rope_type", "default") == "default", "rope_parameters.sliding_attention.rope_type",
+                       local.get("rope_type"), "jaxscale's local layers rotate by plain RoPE")
+        theta, scaling = _rope({"rope_parameters": params["full_attention"]})
+        return dict(rope_theta=theta, rope_scaling=scaling, local_rope_theta=float(local.get("rope_theta", 1e4)))
+    theta, scaling = _rope({"rope_theta": 1e6, **hf})
+    return dict(rope_theta=theta, rope_scaling=scaling, local_rope_theta=float(hf.get("rope_local_base_freq", 1e4)))
+
+
+def _from_gemma(hf: dict, family: str) -> dict:
+    """Gemma 2 and Gemma 3 (text): sandwich norms, GeGLU, scaled embeddings, a layer pattern of
+    sliding-window and global layers, soft-capped scores and logits, query_pre_attn_scalar (0
+    where it is the head width)."""
+    _refuse_unsupported(hf, family)
+    fields = _shape(hf, family, tied_by_default=True)
+    if family == "gemma3":
+        fields.update(_gemma3_rope(hf))
+    else:
+        fields["rope_theta"], fields["rope_scaling"] = _rope(hf)
+    pattern, scale = _layer_pattern(hf, GEMMA[family][2]), hf.get("query_pre_attn_scalar", 256)
+    head_width = fields["head_dim"] or fields["d_model"] // fields["num_heads"]
+    window = hf.get("sliding_window", 4096) if "L" in pattern else 0  # Gemma's configs default to 4096
+    _refuse_unless(window is not None, "sliding_window", window, "layer_types has sliding_attention layers: give "
+                   "their window")
+    return {**fields, "layer_pattern": pattern, "sliding_window": int(window),
+            "query_scale": 0.0 if scale == head_width else float(scale),
+            "attn_logit_softcap": float(hf.get("attn_logit_softcapping") or 0.0),
+            "final_logit_softcap": float(hf.get("final_logit_softcapping") or 0.0)}
 
 
 def _from_gpt2(hf: dict) -> dict:
@@ -142,7 +216,7 @@ def _from_gpt2(hf: dict) -> dict:
                 vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
                 tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
                 rope_theta=10000.0, rope_scaling=dataclasses.asdict(RopeScaling()),
-                norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)))
+                norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), **PLAIN_ATTENTION)
 
 
 def _refuse_other_structure(spec) -> None:
@@ -159,19 +233,62 @@ def hf_config_from_spec(spec) -> dict:
                    "a mixture-of-experts checkpoint stays in jaxscale's format")
     _refuse_other_structure(spec)
     if spec.family == "gpt2":
+        _refuse_gemma_options(spec)
+        _refuse_unless(period(spec.layer_pattern) == "G", "model.layer_pattern", spec.layer_pattern,
+                       "Hugging Face GPT-2 has no sliding-window layers; set it to G")
         _refuse_unless(spec.num_kv_heads == spec.num_heads, "model.num_kv_heads", spec.num_kv_heads,
                        f"Hugging Face GPT-2 has no grouped-query attention; set it to model.num_heads={spec.num_heads}")
         return dict(model_type="gpt2", architectures=["GPT2LMHeadModel"], n_layer=spec.num_layers,
                     n_embd=spec.d_model, n_head=spec.num_heads, n_inner=spec.d_ff, vocab_size=spec.vocab_size,
                     n_positions=spec.max_seq_len, layer_norm_epsilon=spec.norm_eps, activation_function="gelu_new",
                     tie_word_embeddings=spec.tie_embeddings, initializer_range=spec.init_std, torch_dtype="float32")
+    common = dict(num_hidden_layers=spec.num_layers, hidden_size=spec.d_model, num_attention_heads=spec.num_heads,
+                  num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_size, intermediate_size=spec.d_ff,
+                  vocab_size=spec.vocab_size, max_position_embeddings=spec.max_seq_len, rms_norm_eps=spec.norm_eps,
+                  rope_theta=spec.rope_theta, tie_word_embeddings=spec.tie_embeddings,
+                  initializer_range=spec.init_std, torch_dtype="float32", **_hf_rope_scaling(spec.rope_scaling))
+    if spec.family in GEMMA:
+        return {**common, **_gemma_fields(spec)}
+    _refuse_gemma_options(spec)
+    pattern = period(spec.layer_pattern)
+    _refuse_unless(pattern == "G" or (spec.family == "mistral" and pattern == "L"), "model.layer_pattern",
+                   spec.layer_pattern, f"Hugging Face's {spec.family} has no sliding-window layers"
+                   f"{' but on every layer (L)' if spec.family == 'mistral' else ''}")
     architecture, fields = LLAMA_LIKE[spec.family]
-    return dict(model_type=spec.family, architectures=[architecture], num_hidden_layers=spec.num_layers,
-                hidden_size=spec.d_model, num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-                head_dim=spec.head_size, intermediate_size=spec.d_ff, vocab_size=spec.vocab_size,
-                max_position_embeddings=spec.max_seq_len, rms_norm_eps=spec.norm_eps, rope_theta=spec.rope_theta,
-                hidden_act="silu", tie_word_embeddings=spec.tie_embeddings, initializer_range=spec.init_std,
-                torch_dtype="float32", **fields, **_hf_rope_scaling(spec.rope_scaling))
+    window = dict(sliding_window=spec.sliding_window if pattern == "L" else None) if spec.family == "mistral" else {}
+    return dict(model_type=spec.family, architectures=[architecture], hidden_act="silu", **common, **fields, **window)
+
+
+def _refuse_gemma_options(spec) -> None:
+    """Llama's families in transformers have no attention scale, soft-caps or second RoPE."""
+    for field in ("query_scale", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
+        _refuse_unless(not getattr(spec, field), f"model.{field}", getattr(spec, field),
+                       f"Hugging Face's {spec.family} has no such setting; set it to 0")
+
+
+def _whole(x):
+    """x as an int where it is one."""
+    return int(x) if float(x).is_integer() else x
+
+
+def _gemma_fields(spec) -> dict:
+    """config.json's Gemma fields: the layer types, window, scale, soft-caps and (Gemma 3) local RoPE."""
+    model_type, architecture, _ = GEMMA[spec.family]
+    letters = {letter: name for name, letter in LAYER_TYPES.items()}
+    fields = dict(model_type=model_type, architectures=[architecture], hidden_activation="gelu_pytorch_tanh",
+                  layer_types=[letters[letter] for letter in expand(spec.layer_pattern, spec.num_layers)],
+                  sliding_window=spec.sliding_window or None,
+                  query_pre_attn_scalar=_whole(spec.query_scale or spec.head_size),  # transformers types it int
+                  attn_logit_softcapping=spec.attn_logit_softcap or None,
+                  final_logit_softcapping=spec.final_logit_softcap or None)
+    if spec.family == "gemma2":
+        _refuse_unless(not spec.local_rope_theta, "model.local_rope_theta", spec.local_rope_theta,
+                       "Hugging Face's Gemma 2 rotates every layer alike; set it to 0")
+        return fields
+    _refuse_unless(bool(spec.local_rope_theta) or spec.rope_scaling.type == "none", "model.local_rope_theta",
+                   spec.local_rope_theta, "Hugging Face's Gemma 3 scales the global layers' RoPE only; give the local "
+                   "layers their own base (Gemma 3's is 10000)")
+    return {**fields, "rope_local_base_freq": spec.local_rope_theta or spec.rope_theta}
 
 
 def _hf_rope_scaling(scaling) -> dict:
@@ -194,7 +311,10 @@ def check_spec_matches(spec, hf_dir) -> None:
                                       ("max_seq_len", position == "learned")) if not used}
     hf["rope_scaling"] = RopeScaling(**hf["rope_scaling"])
     for field in FIELDS:
-        if field not in skip and getattr(spec, field) != hf[field]:
+        ours, theirs = getattr(spec, field), hf[field]
+        if field == "layer_pattern":  # the same layers, however written
+            ours, theirs = expand(ours, spec.num_layers), expand(theirs, spec.num_layers)
+        if field not in skip and ours != theirs:
             fix = f"the Hugging Face checkpoint in {hf_dir} has {hf[field]!r}; set model.{field}={hf[field]!r}"
             raise ConfigError(f"model.{field}", getattr(spec, field), fix)
     _refuse_other_structure(spec)

@@ -18,7 +18,8 @@ VECTOR = "vector"  # a bias or norm scale stored flat: ours reshaped
 
 # HF's causal-LM classes keep the base model under this attribute; a checkpoint saved from the
 # base model (GPT2Model, as on the original GPT-2 uploads) has the same names without it.
-BASE_PREFIX = {"llama": "model.", "gpt2": "transformer.", "mistral": "model.", "qwen2": "model.", "qwen3": "model."}
+BASE_PREFIX = {"llama": "model.", "gpt2": "transformer.", "mistral": "model.", "qwen2": "model.", "qwen3": "model.",
+               "gemma2": "model.", "gemma3": "model."}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,13 +64,22 @@ _LLAMA = _rows(
     ("layers/mlp/w_up", "model.layers.{i}.mlp.up_proj.weight", LINEAR),
     ("layers/mlp/w_down", "model.layers.{i}.mlp.down_proj.weight", LINEAR),
 )
+_QK_NORMS = _rows(*((f"layers/attn/{x}_norm/scale", f"model.layers.{{i}}.self_attn.{x}_norm.weight", VECTOR)
+                    for x in "qk"))
+# Gemma's four norms a layer: HF's post_attention_layernorm is the norm after attention, not before the MLP.
+_GEMMA = tuple(row for row in _LLAMA if row.ours != ("layers/mlp_norm/scale",)) + _rows(
+    ("layers/attn_post_norm/scale", "model.layers.{i}.post_attention_layernorm.weight", VECTOR),
+    ("layers/mlp_norm/scale", "model.layers.{i}.pre_feedforward_layernorm.weight", VECTOR),
+    ("layers/mlp_post_norm/scale", "model.layers.{i}.post_feedforward_layernorm.weight", VECTOR),
+)
 TABLES: dict[str, tuple[Row, ...]] = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA + _rows(*((bias, f"model.layers.{{i}}.self_attn.{name}_proj.bias", VECTOR)
                               for bias, name in zip(_QKV_BIAS, "qkv"))),
-    "qwen3": _LLAMA + _rows(*((f"layers/attn/{x}_norm/scale", f"model.layers.{{i}}.self_attn.{x}_norm.weight",
-                               VECTOR) for x in "qk")),
+    "qwen3": _LLAMA + _QK_NORMS,
+    "gemma2": _GEMMA,
+    "gemma3": _GEMMA + _QK_NORMS,
     "gpt2": _rows(
         ("embed", "transformer.wte.weight", MATRIX),
         ("pos_embed", "transformer.wpe.weight", MATRIX),

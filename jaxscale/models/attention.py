@@ -7,8 +7,10 @@
   ships with JAX (`kernels.splash`), segment ids included.
 - `auto` (default): cudnn or splash where it can run, else xla.
 With document masking (segment ids) cuDNN is not used: its packed-sequence form (offsets and
-lengths per document) is not wired, and it could not be tested without a GPU. Under context
-parallelism (`sequence` > 1) every platform runs the ring or all-gather of `parallel.context`.
+lengths per document) is not wired, and it could not be tested without a GPU. Nor with
+soft-capped logits (Gemma 2's), which cuDNN cannot do; a sliding window (Gemma 2/3's local
+layers) every kernel takes. Under context parallelism (`sequence` > 1) every platform runs the
+ring or all-gather of `parallel.context`.
 Decoding attends to a KV cache (`write_cache`, `cached_attention`).
 """
 
@@ -59,7 +61,11 @@ def cudnn_supported(platform: str, dtype, head_dim: int) -> str | None:
     return None
 
 
-def _unsupported(impl: str, platform: str, dtype, head_dim: int, document_mask: bool, length: int) -> str | None:
+SOFTCAP = "cuDNN attention cannot soft-cap attention logits (model.attn_logit_softcap)"
+
+
+def _unsupported(impl: str, platform: str, dtype, head_dim: int, document_mask: bool, length: int,
+                 softcap: float) -> str | None:
     """None if kernel `impl` (cudnn or splash) can run this, else the reason it cannot."""
     if impl == "splash":
         return f"splash attention needs a TPU (platform is {platform})" if platform != "tpu" else (
@@ -67,6 +73,8 @@ def _unsupported(impl: str, platform: str, dtype, head_dim: int, document_mask: 
     reason = cudnn_supported(platform, dtype, head_dim)
     if reason is None and document_mask:
         reason = "cuDNN attention is not used with data.document_mask (segment ids); the blockwise kernel is"
+    if reason is None and softcap:
+        reason = SOFTCAP
     return reason
 
 
@@ -75,13 +83,14 @@ DETERMINISTIC = ("cuDNN attention is not deterministic with XLA's deterministic 
 
 
 def resolve_impl(requested: str, platform: str, dtype, head_dim: int, document_mask: bool = False,
-                 length: int = 0, deterministic: bool = False) -> tuple[str, str | None]:
+                 length: int = 0, deterministic: bool = False, softcap: float = 0.0) -> tuple[str, str | None]:
     """(the kernel to use, a one-line note or None). `auto` takes the platform's kernel (splash
-    on TPU, cuDNN elsewhere) where it can run; with `deterministic` never cuDNN's."""
+    on TPU, cuDNN elsewhere) where it can run; with `deterministic` or logits soft-capped
+    (softcap > 0) never cuDNN's."""
     if requested == "xla":
         return "xla", None
     kernel = requested if requested != "auto" else "splash" if platform == "tpu" else "cudnn"
-    reason = _unsupported(kernel, platform, dtype, head_dim, document_mask, length)
+    reason = _unsupported(kernel, platform, dtype, head_dim, document_mask, length, softcap)
     if reason is None and kernel == "cudnn" and deterministic:
         if requested == "cudnn":
             raise ConfigError("model.attention.impl", requested, DETERMINISTIC.replace(" uses", " needs") +
@@ -115,23 +124,31 @@ def kept(kernel):
     return run
 
 
-def self_attention(q_BLHE, k_BLKE, v_BLKE, places: Placement, impl: str, block: int = flash.BLOCK, layout=None):
+def _cudnn(window: int):
+    """cuDNN's fused attention, causal, to the `window` most recent keys when window > 0."""
+    local = (window - 1, 0) if window else None
+    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
+                                                        implementation="cudnn")
+
+
+def self_attention(q_BLHE, k_BLKE, v_BLKE, places: Placement, impl: str, block: int = flash.BLOCK, layout=None,
+                   window: int = 0, softcap: float = 0.0):
     """Causal grouped-query attention on one device's whole sequence, within documents when
-    places.segments is set (cudnn only without). Given the run's layout, the xla and splash kernels
-    run on each device's own rows and heads (`parallel.per_device`). The kernel's residuals are
-    `kept` for remat policies."""
+    places.segments is set (cudnn only without), to the `window` most recent positions (0: all)
+    and with scores soft-capped at `softcap` (0: not; never cudnn, see resolve_impl). Given the
+    run's layout, the xla and splash kernels run on each device's own rows and heads
+    (`parallel.per_device`). The kernel's residuals are `kept` for remat policies."""
     if impl == "cudnn":
-        return kept(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"))(
-            q_BLHE, k_BLKE, v_BLKE)
+        return kept(_cudnn(window))(q_BLHE, k_BLKE, v_BLKE)
     pos, seg = places
     rows = (pos,) if seg is None else (pos, seg)
     if impl == "splash" and splash.unsupported(q_BLHE.shape[1]) is None:
         def on_tpu(q, k, v, _, seg=None):
-            return splash.attention(q, k, v, seg, block)
+            return splash.attention(q, k, v, seg, block, window=window, softcap=softcap)
         return kept(lambda *a: per_device(on_tpu, layout, *a, every_axis=True))(q_BLHE, k_BLKE, v_BLKE, *rows)
 
     def blockwise(q, k, v, pos, seg=None):
-        return flash.attention(q, k, v, pos, pos, seg, seg, block)
+        return flash.attention(q, k, v, pos, pos, seg, seg, block, window, softcap)
     return kept(lambda *a: per_device(blockwise, layout, *a))(q_BLHE, k_BLKE, v_BLKE, *rows)
 
 
@@ -144,15 +161,20 @@ def write_cache(cache_BSKE, new_BLKE, positions_BL):
     return jax.vmap(row)(cache_BSKE, new_BLKE, positions_BL[:, 0])
 
 
-def cached_attention(q_BLHE, k_BSKE, v_BSKE, positions_BL):
+def cached_attention(q_BLHE, k_BSKE, v_BSKE, positions_BL, window: int = 0, softcap: float = 0.0):
     """Grouped-query attention of new queries to a KV cache whose slot s holds position s: each
-    query sees the slots at positions <= its own. A plain masked softmax, scores and softmax in
-    float32 and the weighted sum in the compute dtype, as the XLA kernel of causal_attention."""
+    query sees the slots at positions <= its own and (window > 0) fewer than `window` back, with
+    scores soft-capped at `softcap` (0: not) as in `flash`. A plain masked softmax, scores and
+    softmax in float32 and the weighted sum in the compute dtype, as the XLA kernel of
+    causal_attention."""
     B, L, H, E = q_BLHE.shape
     S, K = k_BSKE.shape[1], k_BSKE.shape[2]
     q_BLKGE = q_BLHE.reshape(B, L, K, H // K, E)
     s_BKGLS = jnp.einsum("BLKGE,BSKE->BKGLS", q_BLKGE, k_BSKE, preferred_element_type=jnp.float32) * E ** -0.5
-    visible_BLS = jnp.arange(S) <= positions_BL[:, :, None]
-    s_BKGLS = jnp.where(visible_BLS[:, None, None], s_BKGLS, -jnp.inf)  # slot 0 is always visible
+    if softcap:
+        s_BKGLS = softcap * jnp.tanh(s_BKGLS / softcap)
+    back_BLS = positions_BL[:, :, None] - jnp.arange(S)
+    visible_BLS = (back_BLS >= 0) & (back_BLS < window) if window else back_BLS >= 0
+    s_BKGLS = jnp.where(visible_BLS[:, None, None], s_BKGLS, -jnp.inf)  # each query's own slot is visible
     p_BKGLS = jax.nn.softmax(s_BKGLS, axis=-1).astype(v_BSKE.dtype)
     return jnp.einsum("BKGLS,BSKE->BLKGE", p_BKGLS, v_BSKE).reshape(B, L, H, E)

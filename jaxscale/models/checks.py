@@ -7,7 +7,7 @@ Config-level only (errors and names): checking a config never builds a model.
 from __future__ import annotations
 
 from jaxscale.errors import require, require_choice, require_non_negative, require_positive
-from jaxscale.models.families import head_size, preset
+from jaxscale.models.families import head_size, period, preset
 from jaxscale.names import (
     ATTENTION_IMPLS,
     DTYPES,
@@ -34,9 +34,39 @@ def check_model(config) -> None:
                                   ("model.rope_scaling.type", m.rope_scaling.type, ROPE_SCALINGS)):
         require_choice(field, value, choices)
     require_positive(config, _SIZES)
-    require_non_negative(config, ("model.head_dim", "model.head_chunk_mib", "model.z_loss_weight"))
+    require_non_negative(config, ("model.head_dim", "model.head_chunk_mib", "model.z_loss_weight",
+                                  "model.final_logit_softcap", "model.sliding_window", "model.local_rope_theta",
+                                  "model.query_scale", "model.attn_logit_softcap"))
     _check_shapes(m, config.train.seq_len)
     _check_rope_scaling(m.rope_scaling)
+    _check_layer_pattern(m)
+
+
+def _check_layer_pattern(m) -> None:
+    """A pattern of G and L layers, and a window wherever a layer is L."""
+    pattern = m.layer_pattern
+    require(bool(pattern) and set(pattern) <= {"G", "L"}, "model.layer_pattern", pattern,
+            "write each layer's attention as G (global) or L (sliding window), e.g. LLLLLG")
+    require("L" not in pattern or m.sliding_window > 0, "model.sliding_window", m.sliding_window,
+            f"model.layer_pattern={pattern} has sliding-window layers: set their window")
+    require(not m.moe.num_experts or len(period(pattern)) == 1, "model.layer_pattern", pattern,
+            "mixture-of-experts models take one attention kind for every layer (G or L)")
+
+
+def check_layer_kinds(config, sizes) -> None:
+    """How the layer pattern and soft-capping meet the mesh: a pipeline stage holds whole periods
+    of the pattern; context parallelism has no sliding window or soft-capping."""
+    m = config.model
+    p = len(period(m.layer_pattern))
+    chunks = sizes["pipeline"] * config.pipeline.virtual_stages
+    require(sizes["pipeline"] == 1 or (m.num_layers // chunks) % p == 0, "model.layer_pattern", m.layer_pattern,
+            f"each of the {chunks} pipeline layer chunks must hold whole repeats of the {p}-layer pattern; "
+            f"use model.num_layers a multiple of {chunks * p}")
+    if sizes["sequence"] > 1:
+        require("L" not in m.layer_pattern, "model.layer_pattern", m.layer_pattern, "context parallelism "
+                "(mesh.sequence > 1) has no sliding-window attention; set mesh.sequence=1 or a pattern of G only")
+        require(not m.attn_logit_softcap, "model.attn_logit_softcap", m.attn_logit_softcap, "context parallelism "
+                "(mesh.sequence > 1) does not soft-cap attention scores; set mesh.sequence=1")
 
 
 def _check_rope_scaling(r) -> None:

@@ -28,9 +28,9 @@ def decode(graphdef, params: dict, tokens_BL, positions_BL, cache: dict):
     return nnx.merge(graphdef, params)(tokens_BL, Placement(positions_BL), cache)[:2]
 
 
-def layer(graphdef, params, x_BLD, places: Placement, cache: dict, dtype):
-    """One layer (a Block or an MoEBlock) with its slice of the cache: (x_BLD, its updated
-    cache, router statistics: {} for a dense layer)."""
-    out = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(dtype), params))(x_BLD, places, cache)
+def layer(graphdef, params, x_BLD, places: Placement, cache: dict, dtype, kind=None):
+    """One layer (a Block or an MoEBlock, of LayerKind `kind`) with its slice of the cache:
+    (x_BLD, its updated cache, router statistics: {} for a dense layer)."""
+    out = nnx.merge(graphdef, jax.tree.map(lambda p: p.astype(dtype), params))(x_BLD, places, cache, kind)
     return out if len(out) == 3 else (*out, {})
 

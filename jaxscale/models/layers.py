@@ -65,14 +65,18 @@ def ones(shape, axes) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float):
-        self.scale = ones((dim,), ("norm",))
-        self.eps = eps
+    """x / rms(x) times the scale, or with `unit_offset` times (1 + scale), the scale starting at 0
+    (Gemma's: the same function at initialisation, weight decay pulling it towards 1)."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
+        self.scale = zeros((dim,), ("norm",)) if unit_offset else ones((dim,), ("norm",))
+        self.eps, self.unit_offset = eps, unit_offset
 
     def __call__(self, x_BLD):
         x = x_BLD.astype(jnp.float32)  # normalise in fp32 whatever the compute dtype
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * self.scale[...].astype(jnp.float32)).astype(x_BLD.dtype)
+        scale = self.scale[...].astype(jnp.float32)
+        return (x * (1.0 + scale if self.unit_offset else scale)).astype(x_BLD.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -87,17 +91,29 @@ class LayerNorm(nnx.Module):
         return (x * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(x_BLD.dtype)
 
 
-NORMS = {"rmsnorm": RMSNorm, "layernorm": LayerNorm}  # Architecture.norm -> its module
+def norm(cfg, dim: int | None = None) -> nnx.Module:
+    """A norm of the kind cfg.arch.norm over d_model (or `dim`)."""
+    dim = cfg.d_model if dim is None else dim
+    if cfg.arch.norm == "layernorm":
+        return LayerNorm(dim, cfg.norm_eps)
+    return RMSNorm(dim, cfg.norm_eps, cfg.arch.unit_offset)
 
 
-def norm(cfg) -> nnx.Module:
-    """A norm over d_model of the kind cfg.arch.norm."""
-    return NORMS[cfg.arch.norm](cfg.d_model, cfg.norm_eps)
+@dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """What a layer's attention sees and how it rotates: global (window 0) or a sliding window
+    of `window` tokens (each query sees itself and the window - 1 before it), with its RoPE."""
+
+    window: int = 0
+    rope_theta: float = 10000.0
+    rope_scaling: rope.RopeScaling = rope.RopeScaling()
 
 
 class Attention(nnx.Module):
     """Causal grouped-query attention: rotary positions when cfg.arch.position is rope, biases
-    on the q, k, v projections (attention_bias qkv) and the output too (all)."""
+    on the q, k, v projections (attention_bias qkv) and the output too (all); scores scaled by
+    cfg.query_scale ** -0.5 (0: the head width's) and soft-capped at cfg.attn_logit_softcap
+    (0: not); global or sliding-window as the layer's LayerKind says."""
 
     def __init__(self, cfg, rngs: nnx.Rngs):
         D, H, K, E = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_size
@@ -106,8 +122,10 @@ class Attention(nnx.Module):
         self.wk = normal(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
         self.wv = normal(rngs, (D, K, E), ("embed", "kv_heads", "head_dim"), std)
         self.wo = normal(rngs, (H, E, D), ("heads", "head_dim", "embed"), out_std)
-        self.use_rope, self.theta, self.cpu = cfg.arch.position == "rope", cfg.rope_theta, cfg.cpu_matmul
-        self.rope_scaling = cfg.rope_scaling
+        self.use_rope, self.cpu = cfg.arch.position == "rope", cfg.cpu_matmul
+        # The kernels scale by E ** -0.5: another scale is folded into the queries.
+        self.query_factor = (E / cfg.query_scale) ** 0.5 if cfg.query_scale else 1.0
+        self.softcap, self.default_kind = cfg.attn_logit_softcap, cfg.layer_kinds[0]
         self.matmul = Matmul.of(cfg)
         self.impl, self.block, self.strategy = cfg.attention_impl, cfg.attention_block, cfg.strategy
         if cfg.arch.attention_bias != "none":
@@ -115,7 +133,7 @@ class Attention(nnx.Module):
             self.bias_k = zeros((K, E), ("kv_heads", "head_dim"))
             self.bias_v = zeros((K, E), ("kv_heads", "head_dim"))
         if cfg.arch.qk_norm:  # over each head's E: one scale shared by the heads
-            self.q_norm, self.k_norm = NORMS[cfg.arch.norm](E, cfg.norm_eps), NORMS[cfg.arch.norm](E, cfg.norm_eps)
+            self.q_norm, self.k_norm = norm(cfg, E), norm(cfg, E)
         if cfg.arch.attention_bias == "all":
             self.bias_o = zeros((D,), ("norm",))
 
@@ -124,11 +142,13 @@ class Attention(nnx.Module):
         y = y + getattr(self, bias_name)[...] if hasattr(self, bias_name) else y
         return constrain(y, self.strategy.layout, ("batch", "act_length", heads_axis, "head_dim"))
 
-    def __call__(self, x_BLD, places: Placement, cache=None):
+    def __call__(self, x_BLD, places: Placement, cache=None, kind: LayerKind | None = None):
         """(out_BLD, cache). Without a cache (training), causal attention over this sequence
         (within each document when places.segments is set) and cache None. With one ({'k', 'v'}:
         [B, S, K, E], decoding), the new keys and values are written at their positions and the
-        queries attend to the updated cache, which is returned."""
+        queries attend to the updated cache, which is returned. `kind`: the layer's (None: the
+        first of the model's layer pattern, its only one when the pattern is uniform)."""
+        kind = self.default_kind if kind is None else kind
         q_BLHE = self._project(x_BLD, self.wq, "bias_q", "act_heads")
         k_BLKE = self._project(x_BLD, self.wk, "bias_k", "act_kv_heads")
         v_BLKE = self._project(x_BLD, self.wv, "bias_v", "act_kv_heads")
@@ -136,18 +156,22 @@ class Attention(nnx.Module):
             q_BLHE, k_BLKE = self.q_norm(q_BLHE), self.k_norm(k_BLKE)
         positions_BL = places.positions
         if self.use_rope:
-            tables = rope.tables(positions_BL, q_BLHE.shape[-1], self.theta, self.rope_scaling, self.cpu)
+            tables = rope.tables(positions_BL, q_BLHE.shape[-1], kind.rope_theta, kind.rope_scaling, self.cpu)
             q_BLHE, k_BLKE = rope.rotate(q_BLHE, tables), rope.rotate(k_BLKE, tables)
+        if self.query_factor != 1.0:
+            q_BLHE = q_BLHE * jnp.asarray(self.query_factor, q_BLHE.dtype)
+        masks = dict(window=kind.window, softcap=self.softcap)
         if cache is not None:
             cache = dict(k=write_cache(cache["k"], k_BLKE, positions_BL),
                          v=write_cache(cache["v"], v_BLKE, positions_BL))
-            out_BLHE = cached_attention(q_BLHE, cache["k"], cache["v"], positions_BL)
+            out_BLHE = cached_attention(q_BLHE, cache["k"], cache["v"], positions_BL, **masks)
         elif self.strategy.context != "none":  # tokens in zig-zag order (see LanguageModel.loss)
             ring = functools.partial(context.attention, layout=self.strategy.layout, mode=self.strategy.context,
                                      block=self.block)
             out_BLHE = kept(ring)(q_BLHE, k_BLKE, v_BLKE, positions_BL, places.segments)
         else:
-            out_BLHE = self_attention(q_BLHE, k_BLKE, v_BLKE, places, self.impl, self.block, self.strategy.layout)
+            out_BLHE = self_attention(q_BLHE, k_BLKE, v_BLKE, places, self.impl, self.block, self.strategy.layout,
+                                      **masks)
         out_BLHE = constrain(out_BLHE, self.strategy.layout, ("batch", "act_length", "act_heads", "head_dim"))
         out_BLD = self.matmul(out_BLHE, self.wo[...], 2)
         return (out_BLD + self.bias_o[...] if hasattr(self, "bias_o") else out_BLD), cache
@@ -198,10 +222,15 @@ def _gelu(h):
     return jax.nn.gelu(h, approximate=True)
 
 
+def _geglu(gate, up):
+    return _gelu(gate) * up
+
+
 # Architecture.mlp -> its kind. GELU's output projection asks for the CPU backward that keeps the
 # activation's tail out of the transposed operand (models.matmul); on SwiGLU's it was no faster.
 MLPS = {"swiglu": MLPKind(("gate", "up"), "down", _swiglu, False),
-        "gelu": MLPKind(("in",), "out", _gelu, True)}
+        "gelu": MLPKind(("in",), "out", _gelu, True),
+        "geglu": MLPKind(("gate", "up"), "down", _geglu, False)}
 
 
 class MLP(nnx.Module):

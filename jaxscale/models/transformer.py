@@ -20,13 +20,13 @@ from flax import nnx
 from jaxscale.errors import ConfigError
 from jaxscale.models import decoding, fp8, pipelined
 from jaxscale.models.attention import KEPT, Placement, document_positions, resolve_impl
-from jaxscale.models.families import Architecture, check, head_size, preset
-from jaxscale.models.layers import AXES_KEY, INNER, MLP, RESIDUAL, Attention, norm, normal
+from jaxscale.models.families import Architecture, check, head_size, period, preset
+from jaxscale.models.layers import AXES_KEY, INNER, MLP, RESIDUAL, Attention, LayerKind, norm, normal
 from jaxscale.models.moe import EXPERT_LOAD, LOAD, MAX_LOAD, STATS, MoE, MoESpec
 from jaxscale.models.precision import compute_dtype
 from jaxscale.models.rope import RopeScaling
 from jaxscale.models.strategy import Strategy
-from jaxscale.models.vocab import Table, cross_entropy, embed
+from jaxscale.models.vocab import Table, cross_entropy, embed, softcap
 from jaxscale.names import UNROLL_UP_TO
 from jaxscale.parallel import context, fsdp
 from jaxscale.sharding import Layout, constrain
@@ -57,6 +57,12 @@ class ModelSpec:
     tie_embeddings: bool = True
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling = RopeScaling()  # scaled rotary frequencies (models.rope); a dict is taken too
+    layer_pattern: str = "G"          # each layer's attention, the pattern repeated: G global, L sliding window
+    sliding_window: int = 0           # the local layers' window (tokens each query sees, itself included)
+    local_rope_theta: float = 0.0     # the local layers' RoPE base, unscaled; 0 = the global layers' RoPE
+    query_scale: float = 0.0          # attention scores scaled by query_scale ** -0.5; 0 = the head width
+    attn_logit_softcap: float = 0.0   # attention scores s -> cap * tanh(s / cap); 0 = none
+    final_logit_softcap: float = 0.0  # logits z -> cap * tanh(z / cap); 0 = none
     norm_eps: float = 1e-5
     init_std: float = 0.02
     remat: str = "none"
@@ -104,30 +110,47 @@ class ModelSpec:
         return head_size(self)
 
     @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """Each layer's attention over one period of the layer pattern: layer i is kind i % period."""
+        glob = LayerKind(0, self.rope_theta, self.rope_scaling)
+        local = (LayerKind(self.sliding_window, self.local_rope_theta) if self.local_rope_theta else
+                 dataclasses.replace(glob, window=self.sliding_window))
+        return tuple(local if c == "L" else glob for c in period(self.layer_pattern))
+
+    @property
     def dtype(self):
         """The compute dtype: weights are cast to it where they are used (parameters stay as given)."""
         return jnp.dtype(self.weights.compute)
 
 
 class Block(nnx.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); with sandwich norms
+    (arch.sandwich_norm) each branch's output is normed too before it joins the residual."""
 
     def __init__(self, spec: ModelSpec, rngs: nnx.Rngs, moe: bool = False):
         self.attn_norm, self.mlp_norm = norm(spec), norm(spec)
+        if spec.arch.sandwich_norm:
+            self.attn_post_norm, self.mlp_post_norm = norm(spec), norm(spec)
         self.attn, self.layout = Attention(spec, rngs), spec.strategy.layout
         self.mlp = MoE(spec, rngs) if moe else MLP(spec, rngs)
 
-    def _attend(self, x_BLD, places, cache):
+    def _join(self, x_BLD, branch_BLD, post: str):
+        """x + the branch's output (normed first by the post norm named `post`, if the block has it)."""
+        branch_BLD = getattr(self, post)(branch_BLD) if hasattr(self, post) else branch_BLD
+        return constrain(x_BLD + branch_BLD, self.layout, RESIDUAL)
+
+    def _attend(self, x_BLD, places, cache, kind):
         # Norms run on the residual layout (split along length in sequence-parallel mode); their
         # outputs are gathered to the tensor-parallel layout that attention and the MLP need.
-        attn_BLD, cache = self.attn(constrain(self.attn_norm(x_BLD), self.layout, INNER), places, cache)
-        return constrain(x_BLD + attn_BLD, self.layout, RESIDUAL), cache
+        attn_BLD, cache = self.attn(constrain(self.attn_norm(x_BLD), self.layout, INNER), places, cache, kind)
+        return self._join(x_BLD, attn_BLD, "attn_post_norm"), cache
 
-    def __call__(self, x_BLD, places, cache=None):
-        """(x_BLD, this layer's updated KV cache, or None without one: see Attention)."""
-        x_BLD, cache = self._attend(x_BLD, places, cache)
+    def __call__(self, x_BLD, places, cache=None, kind=None):
+        """(x_BLD, this layer's updated KV cache, or None without one: see Attention; `kind`
+        its LayerKind)."""
+        x_BLD, cache = self._attend(x_BLD, places, cache, kind)
         mlp_BLD = self.mlp(constrain(self.mlp_norm(x_BLD), self.layout, INNER))
-        return constrain(x_BLD + mlp_BLD, self.layout, RESIDUAL), cache
+        return self._join(x_BLD, mlp_BLD, "mlp_post_norm"), cache
 
 
 class MoEBlock(Block):
@@ -136,11 +159,11 @@ class MoEBlock(Block):
     def __init__(self, spec: ModelSpec, rngs: nnx.Rngs):
         super().__init__(spec, rngs, moe=True)
 
-    def __call__(self, x_BLD, places, cache=None):
+    def __call__(self, x_BLD, places, cache=None, kind=None):
         """(x_BLD, updated KV cache or None, {name: scalar} router statistics)."""
-        x_BLD, cache = self._attend(x_BLD, places, cache)
+        x_BLD, cache = self._attend(x_BLD, places, cache, kind)
         out_BLD, stats = self.mlp(constrain(self.mlp_norm(x_BLD), self.layout, INNER))
-        return constrain(x_BLD + out_BLD, self.layout, RESIDUAL), cache, stats
+        return self._join(x_BLD, out_BLD, "mlp_post_norm"), cache, stats
 
 
 class MoEStacks(nnx.Module):
@@ -198,12 +221,16 @@ class Transformer(nnx.Module):
 
     def embed_tokens(self, tokens_BL, places: Placement):
         """The residual stream's start: token embeddings (and learned positions), looked up
-        where the table is stored (models.vocab: nothing gathers the table)."""
+        where the table is stored (models.vocab: nothing gathers the table), times sqrt(d_model)
+        where arch.embed_scale says."""
         tables = [(Table(self.embed[...], ("vocab", "embed")), tokens_BL)]
         if self.spec.arch.position == "learned":
             tables.append((Table(self.pos_embed[...], ("position", "embed")), places.positions))
         layout = self.spec.strategy.layout
-        return constrain(embed(tables, layout, self.spec.weights), layout, RESIDUAL)
+        x_BLD = embed(tables, layout, self.spec.weights)
+        if self.spec.arch.embed_scale:  # the factor rounded to the compute dtype, as Gemma's
+            x_BLD = x_BLD * jnp.asarray(self.spec.d_model ** 0.5, x_BLD.dtype)
+        return constrain(x_BLD, layout, RESIDUAL)
 
     def head_loss(self, x_BLD, targets_BL):
         """(mean next-token cross entropy, mean squared log-sum-exp: the z-loss) of the last
@@ -215,13 +242,16 @@ class Transformer(nnx.Module):
         norm_def, norm_state = nnx.split(self.final_norm)
         prelude = (lambda params, x: nnx.merge(norm_def, params)(x), nnx.to_pure_dict(norm_state),
                    self._stored_dims(norm_state, stacked=False))
-        return cross_entropy(x_BLD, head, targets_BL, s.strategy.layout, s.weights, s.head_chunk_mib, prelude)
+        return cross_entropy(x_BLD, head, targets_BL, s.strategy.layout, s.weights, s.head_chunk_mib, prelude,
+                             s.final_logit_softcap)
 
     def logits(self, x_BLD):
-        """Float32 logits [B, L, V] of the last layer's output: final norm, then the head."""
+        """Float32 logits [B, L, V] of the last layer's output: final norm, then the head (then
+        the soft-cap, model.final_logit_softcap)."""
         x_BLD = constrain(self.final_norm(x_BLD), self.spec.strategy.layout, INNER)
         w_DV = (self.embed[...].T if self.spec.tie_embeddings else self.head[...]).astype(self.spec.dtype)
-        logits_BLV = jnp.einsum("BLD,DV->BLV", x_BLD, w_DV, preferred_element_type=jnp.float32)
+        logits_BLV = softcap(jnp.einsum("BLD,DV->BLV", x_BLD, w_DV, preferred_element_type=jnp.float32),
+                             self.spec.final_logit_softcap)
         return constrain(logits_BLV, self.spec.strategy.layout, ("batch", "act_length", "act_vocab"))
 
     def stage_fn(self):
@@ -235,20 +265,43 @@ class Transformer(nnx.Module):
         """run(stacked params, x_BLD, places, stacked cache or None) -> (x_BLD, the updated cache
         or None): the one layer loop. The layers of `stack` (stacked Blocks or MoEBlocks) in
         order, each through _layer (training: weights gathered where it runs, remat as set;
-        decoding: its slice of the cache), as a scan, or unrolled (`unroll`, training only)."""
+        decoding: its slice of the cache) as its LayerKind says, as a scan, or unrolled (`unroll`,
+        training only). A layer pattern of period p > 1 scans groups of p layers, each group's
+        layers written out with their own kinds, and runs the layers past the last whole group
+        after it: each layer's attention is a program of its own kind, nothing chosen at run time."""
         graphdef, state = nnx.split(stack)
-        dims = self._stored_dims(state)
+        dims, kinds = self._stored_dims(state), self.spec.layer_kinds
+        p = len(kinds)
 
         def run(params, x_BLD, places, cache):
-            def step(x, params_and_cache):
-                x, layer_cache, _ = self._layer(graphdef, dims, params_and_cache[0], x, places, params_and_cache[1])
-                return x, layer_cache
+            def step(kind):
+                def one(x, params_and_cache):
+                    x, layer_cache, _ = self._layer(graphdef, dims, params_and_cache[0], x, places, params_and_cache[1],
+                                                    kind)
+                    return x, layer_cache
+                return one
 
-            if not unroll or cache is not None:
-                return jax.lax.scan(step, x_BLD, (params, cache))
-            for i in range(jax.tree.leaves(params)[0].shape[0]):  # each layer's slice of the stacked parameters
-                x_BLD = step(x_BLD, (jax.tree.map(lambda p, i=i: p[i], params), None))[0]
-            return x_BLD, None
+            def layers(x, params_and_cache, count: int):
+                """`count` layers from the pattern's start, of these stacked params (and cache)."""
+                caches = []
+                for j in range(count):
+                    x, layer_cache = step(kinds[j % p])(x, jax.tree.map(lambda a, j=j: a[j], params_and_cache))
+                    caches.append(layer_cache)
+                return x, None if caches[0] is None else jax.tree.map(lambda *c: jnp.stack(c), *caches)
+
+            count = jax.tree.leaves(params)[0].shape[0]
+            if unroll and cache is None:
+                return layers(x_BLD, (params, None), count)[0], None
+            if p == 1:
+                return jax.lax.scan(step(kinds[0]), x_BLD, (params, cache))
+            groups = count // p
+            whole = jax.tree.map(lambda a: a[:groups * p].reshape(groups, p, *a.shape[1:]), (params, cache))
+            x_BLD, head = jax.lax.scan(lambda x, xs: layers(x, xs, p), x_BLD, whole) if groups else (x_BLD, None)
+            head = jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), head)
+            if count == groups * p:
+                return x_BLD, head
+            x_BLD, tail = layers(x_BLD, jax.tree.map(lambda a: a[groups * p:], (params, cache)), count - groups * p)
+            return x_BLD, tail if head is None else jax.tree.map(lambda h, t: jnp.concatenate([h, t]), head, tail)
 
         return run
 
@@ -260,13 +313,14 @@ class Transformer(nnx.Module):
         length = s.strategy.context != "none" and not s.moe.num_experts
         return fsdp.run(body, s.strategy.layout, s.weights, layer_params, dims, x_BLD, places, self._remat, length)
 
-    def _layer(self, graphdef, dims, params, x_BLD, places, cache):
-        """One layer (a Block or an MoEBlock): (x_BLD, its updated cache or None, router statistics)."""
+    def _layer(self, graphdef, dims, params, x_BLD, places, cache, kind=None):
+        """One layer (a Block or an MoEBlock) of LayerKind `kind` (None: the pattern's first):
+        (x_BLD, its updated cache or None, router statistics)."""
         if cache is not None:
-            return decoding.layer(graphdef, params, x_BLD, places, cache, self.spec.dtype)
+            return decoding.layer(graphdef, params, x_BLD, places, cache, self.spec.dtype, kind)
 
         def body(layer_params, x, places):
-            out = nnx.merge(graphdef, layer_params)(x, places)
+            out = nnx.merge(graphdef, layer_params)(x, places, None, kind)
             return out[0], out[2] if len(out) == 3 else {}
 
         x_BLD, stats = self._run_layer(body, params, dims, x_BLD, places)
@@ -509,7 +563,8 @@ def model_from_config(config, platform: str, layout: Layout | None = None) -> tu
     parallel attention and expert dispatch its mesh needs (see Strategy.for_layout)."""
     m = config.model
     impl, note = resolve_impl(m.attention.impl, platform, compute_dtype(m.dtype, platform), head_size(m),
-                              config.data.document_mask, config.train.seq_len, config.train.deterministic)
+                              config.data.document_mask, config.train.seq_len, config.train.deterministic,
+                              m.attn_logit_softcap)
     strategy = Strategy() if layout is None else Strategy.for_layout(
         layout, schedule=config.pipeline.schedule, microbatches=config.pipeline.microbatches,
         virtual_stages=config.pipeline.virtual_stages, context=m.attention.context_parallel,

@@ -163,6 +163,12 @@ class _Head:
     compute: str
     reduce: str
     plan: rings.Stages = ()   # the weight gradient's reduce-scatter over d_axes, in stages
+    softcap: float = 0.0      # logits z -> softcap * tanh(z / softcap); 0 = none
+
+
+def softcap(z, cap: float):
+    """cap * tanh(z / cap): z squashed into (-cap, cap), near z where |z| << cap; z itself for cap 0."""
+    return cap * jnp.tanh(z / cap) if cap else z
 
 
 def chunk_columns(tokens: int, columns: int, mib: float, split: bool = False) -> int:
@@ -182,8 +188,9 @@ def _chunk_weight(w_DV, c, head: _Head):
 
 
 def _chunk_logits(x_TD, w_chunk, c, head: _Head):
-    """(float32 logits [T, chunk] of chunk c, the padding columns at -inf; their local column numbers)."""
-    logits = jnp.einsum("TD,DV->TV", x_TD, w_chunk, preferred_element_type=jnp.float32)
+    """(float32 logits [T, chunk] of chunk c, soft-capped, the padding columns at -inf; their local
+    column numbers)."""
+    logits = softcap(jnp.einsum("TD,DV->TV", x_TD, w_chunk, preferred_element_type=jnp.float32), head.softcap)
     columns = c * head.chunk + jnp.arange(head.chunk)
     return jnp.where(columns < head.columns, logits, -jnp.inf), columns
 
@@ -212,7 +219,7 @@ def _forward(x_TD, w_DV, targets_T, head: _Head):
         new_top = jnp.maximum(top, logits.max(-1))
         total = total * jnp.exp(top - new_top) + jnp.exp(logits - new_top[:, None]).sum(-1)
         picked = picked + jnp.where(columns[None] == targets[:, None], logits, 0.0).sum(-1)
-        return (new_top, total, picked), logits if head.chunks == 1 else None
+        return (new_top, total, picked), logits if head.chunks == 1 and not head.softcap else None
 
     T = x_TD.shape[0]
     start = (jnp.full((T,), -jnp.inf), jnp.zeros((T,)), jnp.zeros((T,)))
@@ -222,7 +229,7 @@ def _forward(x_TD, w_DV, targets_T, head: _Head):
         total = jax.lax.psum(total * jnp.exp(top - overall), head.v_axes)
         picked, top = jax.lax.psum(picked, head.v_axes), overall
     lse = top + jnp.log(total)
-    probs = jnp.exp(logits[0] - lse[:, None]) if head.chunks == 1 else None
+    probs = jnp.exp(logits[0] - lse[:, None]) if logits is not None else None
     return jnp.sum(lse - picked), lse, probs
 
 
@@ -252,7 +259,10 @@ def _bwd(head, residuals, cotangents):
             p = jnp.exp(logits - lse[:, None])
         else:
             p, columns = probs, c * head.chunk + jnp.arange(head.chunk)
-        d_logits = (p * scale - (columns[None] == targets[:, None]) * g).astype(head.compute)
+        d_logits = p * scale - (columns[None] == targets[:, None]) * g
+        if head.softcap:  # through the cap: d/dz cap tanh(z / cap) = 1 - (capped / cap)^2
+            d_logits = d_logits * (1 - jnp.square(jnp.where(columns < head.columns, logits, 0.0) / head.softcap))
+        d_logits = d_logits.astype(head.compute)
         dx = dx + jnp.einsum("TV,DV->TD", d_logits, w_chunk, preferred_element_type=jnp.float32)
         d_chunk = jnp.einsum("TD,TV->DV", x_TD, d_logits, preferred_element_type=jnp.float32).astype(head.reduce)
         if head.d_axes:
@@ -268,26 +278,28 @@ _cross_entropy_sum.defvjp(_fwd, _bwd)
 
 
 def _local_loss(x_BLD, w_DV, targets_BL, d_axes, v_axes, columns, weights: Weights, chunk_mib: float,
-                plan: rings.Stages = ()):
+                plan: rings.Stages = (), cap: float = 0.0):
     """The sum of this device's tokens' cross entropies: its weight block [D/|d_axes|, V/|v_axes|]
     padded to whole chunks."""
     B, L, D = x_BLD.shape
     chunk = chunk_columns(B * L, columns, chunk_mib, bool(d_axes))
     chunks = -(-columns // chunk)
     w_DV = jnp.pad(w_DV, ((0, 0), (0, chunks * chunk - columns)))
-    head = _Head(d_axes, v_axes, columns, chunk, chunks, weights.compute, weights.reduce, plan)
+    head = _Head(d_axes, v_axes, columns, chunk, chunks, weights.compute, weights.reduce, plan, cap)
     return _cross_entropy_sum(x_BLD.reshape(B * L, D).astype(weights.compute), w_DV, targets_BL.reshape(-1), head)
 
 
-def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chunk_mib: float, prelude=None):
+def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chunk_mib: float, prelude=None,
+                  cap: float = 0.0):
     """(mean next-token cross entropy of the logits x @ head, mean squared log-sum-exp of the
-    logits: the z-loss), over the vocabulary, float32 throughout, the logits in chunks. x_BLD is
+    logits: the z-loss), over the vocabulary, float32 throughout, the logits in chunks, each
+    soft-capped at `cap` (0: not). x_BLD is
     placed as the residual stream; prelude(x) -> x, if given, runs on it first (the final norm:
     inside the map, so its weights are gathered here) and is (fn, params, stored dims of params)."""
     if layout is None:
         x_BLD = prelude[0](prelude[1], x_BLD) if prelude else x_BLD
         w_DV = head.value.T if not head.transposed else head.value
-        sums = _local_loss(x_BLD, w_DV, targets_BL, (), (), w_DV.shape[1], weights, chunk_mib)
+        sums = _local_loss(x_BLD, w_DV, targets_BL, (), (), w_DV.shape[1], weights, chunk_mib, cap=cap)
         return tuple(total / targets_BL.size for total in sums)
     axes, here = _map(layout)
     x_spec, ids_spec = here.spec(RESIDUAL), here.spec(IDS)
@@ -310,7 +322,7 @@ def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chun
         if v_gather:
             w_DV = jax.lax.all_gather(w_DV, v_gather, axis=1, tiled=True)
         sums = _local_loss(x_BLD, w_DV, targets_BL, d_axes, v_axes, columns, weights, chunk_mib,
-                           rings.stages(layout.mesh, d_axes))
+                           rings.stages(layout.mesh, d_axes), cap)
         count = targets_BL.size * math.prod(jax.lax.axis_size(a) for a in rows)
         sums = jax.lax.psum(sums, tuple(sorted(rows))) if rows else sums
         return tuple(total / count for total in sums)
