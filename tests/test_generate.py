@@ -41,7 +41,7 @@ def test_decode_equals_the_full_forward(model_and_params):
     tokens, length = _tokens((2, 14)), 14
     positions = jnp.broadcast_to(jnp.arange(length), tokens.shape)
     cache = model.init_cache(2, 16, jnp.float32)
-    assert cache["k"].shape == (2, 2, 16, model.spec.num_kv_heads, 48 // model.spec.num_heads)
+    assert cache["global"]["k"].shape == (2, 2, 16, model.spec.num_kv_heads, 48 // model.spec.num_heads)
     decode = jax.jit(model.decode)
     pieces = []
     for start, stop in [(0, 5), (5, 8)] + [(i, i + 1) for i in range(8, length)]:

@@ -180,7 +180,8 @@ def test_unrolled_layers_are_the_scanned_function_without_the_loop(remat):
 def test_a_layer_pattern_gives_each_layer_its_kind_in_every_loop():
     """Five layers of the pattern LLG (windows of 3 tokens, rotated by their own RoPE base): the
     scan over the whole period and the two layers past it, the unrolled layers, and decoding
-    with the KV cache (a prompt, then a token a call) compute one function; the windows change it."""
+    with the KV cache (a prompt longer than the window, then a token a call; the local layers'
+    caches rings of 3 slots) compute one function; the windows change it."""
     spec = dataclasses.replace(SPECS["llama_gqa_untied"], num_layers=5, layer_pattern="LLG", sliding_window=3,
                                local_rope_theta=500.0)
     tokens, out = _tokens(), {}
@@ -194,7 +195,9 @@ def test_a_layer_pattern_gives_each_layer_its_kind_in_every_loop():
     model = LanguageModel(spec)
     logits = model.apply(params, tokens)
     positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), tokens.shape)
-    prompt, cache = model.decode(params, tokens[:, :10], positions[:, :10], model.init_cache(2, 16))
+    cache = model.init_cache(2, 16)  # the four local layers hold their window of 3 tokens, the global one all 16
+    assert {name: stack["k"].shape[:3] for name, stack in cache.items()} == {"local": (4, 2, 3), "global": (1, 2, 16)}
+    prompt, cache = model.decode(params, tokens[:, :10], positions[:, :10], cache)
     steps = [prompt]
     for i in range(10, 16):
         step, cache = model.decode(params, tokens[:, i:i + 1], positions[:, i:i + 1], cache)

@@ -167,14 +167,48 @@ def cached_attention(q_BLHE, k_BSKE, v_BSKE, positions_BL, window: int = 0, soft
     scores soft-capped at `softcap` (0: not) as in `flash`. A plain masked softmax, scores and
     softmax in float32 and the weighted sum in the compute dtype, as the XLA kernel of
     causal_attention."""
+    slots_BS = jnp.broadcast_to(jnp.arange(k_BSKE.shape[1]), (q_BLHE.shape[0], k_BSKE.shape[1]))
+    return _attend_to(q_BLHE, k_BSKE, v_BSKE, positions_BL, slots_BS, window, softcap)
+
+
+def _attend_to(q_BLHE, k_BSKE, v_BSKE, positions_BL, key_positions_BS, window: int, softcap: float):
+    """The queries at positions_BL attending to keys at key_positions_BS (negative: an empty
+    slot, never seen): the masked softmax of `cached_attention`."""
     B, L, H, E = q_BLHE.shape
-    S, K = k_BSKE.shape[1], k_BSKE.shape[2]
+    K = k_BSKE.shape[2]
     q_BLKGE = q_BLHE.reshape(B, L, K, H // K, E)
     s_BKGLS = jnp.einsum("BLKGE,BSKE->BKGLS", q_BLKGE, k_BSKE, preferred_element_type=jnp.float32) * E ** -0.5
     if softcap:
         s_BKGLS = softcap * jnp.tanh(s_BKGLS / softcap)
-    back_BLS = positions_BL[:, :, None] - jnp.arange(S)
-    visible_BLS = (back_BLS >= 0) & (back_BLS < window) if window else back_BLS >= 0
-    s_BKGLS = jnp.where(visible_BLS[:, None, None], s_BKGLS, -jnp.inf)  # each query's own slot is visible
+    back_BLS = positions_BL[:, :, None] - key_positions_BS[:, None, :]
+    visible_BLS = (back_BLS >= 0) & (key_positions_BS[:, None, :] >= 0)
+    visible_BLS = visible_BLS & (back_BLS < window) if window else visible_BLS
+    s_BKGLS = jnp.where(visible_BLS[:, None, None], s_BKGLS, -jnp.inf)  # each query's own key is visible
     p_BKGLS = jax.nn.softmax(s_BKGLS, axis=-1).astype(v_BSKE.dtype)
     return jnp.einsum("BKGLS,BSKE->BLKGE", p_BKGLS, v_BSKE).reshape(B, L, H, E)
+
+
+def ring_slots(first_BL, slots: int):
+    """The position each slot of a ring of `slots` holds before a row's new tokens from position
+    first_BL[b] on are written (slot s: the last position before them that is s mod `slots`;
+    negative where none is)."""
+    last_B1 = first_BL[:, :1] - 1
+    return last_B1 - jnp.mod(last_B1 - jnp.arange(slots), slots)
+
+
+def ring_attention(q_BLHE, k_BLKE, v_BLKE, cache: dict, positions_BL, window: int, softcap: float = 0.0):
+    """(out_BLHE, the updated cache) of a sliding-window layer whose cache ({'k', 'v'}: [B, W', K,
+    E], W' = min(window, the cache's length)) is a ring: position t in slot t mod W'. The new
+    tokens (consecutive positions) attend to the ring as it was and to each other, within the
+    window; then the last W' of them are written over the slots they take."""
+    slots = cache["k"].shape[1]
+    keys_BS = jnp.concatenate([ring_slots(positions_BL, slots), positions_BL], axis=1)
+    k_all, v_all = (jnp.concatenate([cache[n], new.astype(cache[n].dtype)], axis=1)
+                    for n, new in (("k", k_BLKE), ("v", v_BLKE)))
+    out_BLHE = _attend_to(q_BLHE, k_all, v_all, positions_BL, keys_BS, window, softcap)
+    kept = min(slots, positions_BL.shape[1])  # distinct slots: the last W' tokens only
+
+    def write(ring_SKE, new_LKE, positions_L):
+        return ring_SKE.at[jnp.mod(positions_L[-kept:], slots)].set(new_LKE[-kept:].astype(ring_SKE.dtype))
+
+    return out_BLHE, {n: jax.vmap(write)(cache[n], new, positions_BL) for n, new in (("k", k_BLKE), ("v", v_BLKE))}

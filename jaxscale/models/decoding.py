@@ -1,13 +1,17 @@
 """Decoding with a KV cache: the cache, one decoding call, and a layer that reads and writes its
 slice of it (the layer loop, Transformer._loop, hands each layer its slice).
 
-The cache is {'k', 'v'}, each [layers, batch, max_len, kv_heads, head_dim] in the compute
-dtype; slot s holds position s. Decoding runs as one program on the model's default strategy
-(LanguageModel.unsharded): no pipeline, no per-layer weight gathering, the weights cast to the
-compute dtype where each layer runs.
+The cache holds a stack per kind of layer (`stack_of`), each {'k', 'v'}: [layers of that kind,
+batch, slots, kv_heads, head_dim] in the compute dtype. A global layer's slot s holds position
+s (max_len slots); a sliding-window layer's cache is a ring of min(window, max_len) slots,
+position t in slot t mod their number, so it holds its window and no more. Decoding runs as one
+program on the model's default strategy (LanguageModel.unsharded): no pipeline, no per-layer
+weight gathering, the weights cast to the compute dtype where each layer runs.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -15,11 +19,22 @@ from flax import nnx
 
 from jaxscale.models.attention import Placement
 
+GLOBAL, LOCAL = "global", "local"  # the cache's stacks: global layers', sliding-window layers'
+
+
+def stack_of(kind) -> str:
+    """Which of the cache's stacks holds the cache of a layer of this LayerKind."""
+    return LOCAL if kind.window else GLOBAL
+
 
 def init_cache(spec, batch: int, max_len: int, dtype=jnp.float32) -> dict:
-    """An empty KV cache for `batch` sequences of up to `max_len` tokens of the model `spec` builds."""
-    shape = (spec.num_layers, batch, max_len, spec.num_kv_heads, spec.head_size)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+    """An empty KV cache for `batch` sequences of up to `max_len` tokens of the model `spec` builds:
+    {stack: {'k', 'v'}}, a stack for each kind of layer the model has."""
+    kinds = spec.layer_kinds
+    layers = Counter(stack_of(kinds[i % len(kinds)]) for i in range(spec.num_layers))
+    slots = {GLOBAL: max_len, LOCAL: min(spec.sliding_window, max_len)}
+    return {name: {n: jnp.zeros((count, batch, slots[name], spec.num_kv_heads, spec.head_size), dtype)
+                   for n in ("k", "v")} for name, count in layers.items()}
 
 
 def decode(graphdef, params: dict, tokens_BL, positions_BL, cache: dict):

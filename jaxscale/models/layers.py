@@ -15,7 +15,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxscale.models import fp8, rope
-from jaxscale.models.attention import Placement, cached_attention, kept, self_attention, write_cache
+from jaxscale.models.attention import (
+    Placement,
+    cached_attention,
+    kept,
+    ring_attention,
+    self_attention,
+    write_cache,
+)
 from jaxscale.models.matmul import project
 from jaxscale.parallel import context
 from jaxscale.sharding import constrain
@@ -161,7 +168,9 @@ class Attention(nnx.Module):
         if self.query_factor != 1.0:
             q_BLHE = q_BLHE * jnp.asarray(self.query_factor, q_BLHE.dtype)
         masks = dict(window=kind.window, softcap=self.softcap)
-        if cache is not None:
+        if cache is not None and kind.window:  # a ring of the window's slots (models.decoding)
+            out_BLHE, cache = ring_attention(q_BLHE, k_BLKE, v_BLKE, cache, positions_BL, **masks)
+        elif cache is not None:
             cache = dict(k=write_cache(cache["k"], k_BLKE, positions_BL),
                          v=write_cache(cache["v"], v_BLKE, positions_BL))
             out_BLHE = cached_attention(q_BLHE, cache["k"], cache["v"], positions_BL, **masks)

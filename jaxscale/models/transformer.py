@@ -11,6 +11,7 @@ dict of float32 arrays, and `axes` gives each one's logical axis names.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -200,8 +201,8 @@ class Transformer(nnx.Module):
         {} for a dense model, else STATS averaged over the MoE layers).
 
         Without a cache: the training forward (causal over the sequence; pipeline and context
-        parallel under an active layout). With one (stacked {'k', 'v'}: [layers, B, S, K, E]):
-        decoding, the tokens at consecutive positions attend to everything cached before them.
+        parallel under an active layout). With one (models.decoding's stacks): decoding, the
+        tokens at consecutive positions attend to everything cached before them.
         """
         x_BLD, cache, stats = self.hidden(tokens_BL, places, cache)
         return self.logits(x_BLD), cache, stats
@@ -281,27 +282,45 @@ class Transformer(nnx.Module):
                     return x, layer_cache
                 return one
 
-            def layers(x, params_and_cache, count: int):
-                """`count` layers from the pattern's start, of these stacked params (and cache)."""
-                caches = []
+            def layers(x, params, caches, count: int):
+                """`count` layers from the pattern's start, of these stacked params and caches
+                ({stack: its kind's layers' caches, stacked} or None)."""
+                taken, out = Counter(), {name: [] for name in caches or {}}
                 for j in range(count):
-                    x, layer_cache = step(kinds[j % p])(x, jax.tree.map(lambda a, j=j: a[j], params_and_cache))
-                    caches.append(layer_cache)
-                return x, None if caches[0] is None else jax.tree.map(lambda *c: jnp.stack(c), *caches)
+                    kind = kinds[j % p]
+                    name = decoding.stack_of(kind)
+                    layer_cache = None if caches is None else jax.tree.map(lambda a, i=taken[name]: a[i], caches[name])
+                    x, layer_cache = step(kind)(x, (jax.tree.map(lambda a, j=j: a[j], params), layer_cache))
+                    if caches is not None:
+                        out[name].append(layer_cache)
+                        taken[name] += 1
+                return x, None if caches is None else {name: jax.tree.map(lambda *c: jnp.stack(c), *cs)
+                                                       for name, cs in out.items() if cs}
 
             count = jax.tree.leaves(params)[0].shape[0]
             if unroll and cache is None:
-                return layers(x_BLD, (params, None), count)[0], None
+                return layers(x_BLD, params, None, count)[0], None
             if p == 1:
-                return jax.lax.scan(step(kinds[0]), x_BLD, (params, cache))
-            groups = count // p
-            whole = jax.tree.map(lambda a: a[:groups * p].reshape(groups, p, *a.shape[1:]), (params, cache))
-            x_BLD, head = jax.lax.scan(lambda x, xs: layers(x, xs, p), x_BLD, whole) if groups else (x_BLD, None)
+                name = decoding.stack_of(kinds[0])
+                x_BLD, out = jax.lax.scan(step(kinds[0]), x_BLD, (params, None if cache is None else cache[name]))
+                return x_BLD, None if cache is None else {name: out}
+            groups, per_group = count // p, Counter(decoding.stack_of(kind) for kind in kinds)
+
+            def split(tree, stack=None):  # (the whole periods [groups, per period, ...], the rest)
+                n = p if stack is None else per_group[stack]
+                return (jax.tree.map(lambda a: a[:groups * n].reshape(groups, n, *a.shape[1:]), tree),
+                        jax.tree.map(lambda a: a[groups * n:], tree))
+
+            (whole, rest), caches = split(params), {name: split(c, name) for name, c in (cache or {}).items()}
+            whole_caches = None if cache is None else {name: c[0] for name, c in caches.items()}
+            x_BLD, head = (jax.lax.scan(lambda x, xs: layers(x, *xs, p), x_BLD, (whole, whole_caches)) if groups
+                           else (x_BLD, None))
             head = jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), head)
             if count == groups * p:
                 return x_BLD, head
-            x_BLD, tail = layers(x_BLD, jax.tree.map(lambda a: a[groups * p:], (params, cache)), count - groups * p)
-            return x_BLD, tail if head is None else jax.tree.map(lambda h, t: jnp.concatenate([h, t]), head, tail)
+            x_BLD, tail = layers(x_BLD, rest, None if cache is None else {n: c[1] for n, c in caches.items()},
+                                 count - groups * p)
+            return x_BLD, None if cache is None else _joined(head or {}, tail)
 
         return run
 
@@ -379,6 +398,7 @@ class Transformer(nnx.Module):
         moe_def, moe_state = nnx.split(self.layers.moe)
         moe_dims = self._stored_dims(moe_state)
         dense_layers = self._loop(self.layers.dense) if n > 1 else None
+        stack = decoding.stack_of(self.spec.layer_kinds[0])  # an MoE model's one kind of layer (models.checks)
 
         def run(params, x_BLD, places, cache):
             groups = jax.tree.leaves(params["moe"])[0].shape[0]
@@ -391,10 +411,11 @@ class Transformer(nnx.Module):
                 head = jax.tree.map(lambda c: c[:n - 1], group_cache)
                 if n > 1:
                     x, head = dense_layers(dense_p, x, places, head)
-                x, tail, stats = self._layer(moe_def, moe_dims, moe_p, x, places,
-                                             jax.tree.map(lambda c: c[n - 1], group_cache))
+                layer_cache = None if group_cache is None else jax.tree.map(lambda c: c[n - 1], group_cache[stack])
+                x, tail, stats = self._layer(moe_def, moe_dims, moe_p, x, places, layer_cache)
                 load = stats.pop(LOAD)
-                group_cache = jax.tree.map(lambda h, t: jnp.concatenate([h, t[None]]), head, tail)
+                group_cache = None if tail is None else jax.tree.map(lambda h, t: jnp.concatenate([h, t[None]]),
+                                                                     head, {stack: tail})
                 return (x, jax.tree.map(jnp.add, totals, stats)), (group_cache, load)
 
             zeros = {name: jnp.zeros((), jnp.float32) for name in STATS}
@@ -404,6 +425,12 @@ class Transformer(nnx.Module):
             return x_BLD, jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), caches), means, load_GX
 
         return run
+
+
+def _joined(head: dict, tail: dict) -> dict:
+    """{stack: head's layers, then tail's} of two caches' stacks, either of which may lack one."""
+    return {name: jax.tree.map(lambda h, t: jnp.concatenate([h, t]), head[name], tail[name])
+            if name in head and name in tail else head.get(name, tail.get(name)) for name in {**head, **tail}}
 
 
 def _stacked(make_block, count: int, rngs: nnx.Rngs):
@@ -535,8 +562,8 @@ class LanguageModel:
         return extra + self.spec.z_loss_weight * stats["z_loss"] if "z_loss" in stats else extra
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> dict:
-        """An empty KV cache for `batch` sequences of up to `max_len` tokens: {'k', 'v'}, each
-        [layers, batch, max_len, kv_heads, head_dim] in `dtype` (the compute dtype)."""
+        """An empty KV cache for `batch` sequences of up to `max_len` tokens, in `dtype` (the
+        compute dtype): a stack of {'k', 'v'} per kind of layer (models.decoding)."""
         return decoding.init_cache(self.spec, batch, max_len, dtype)
 
     def decode(self, params: dict, tokens_BL, positions_BL, cache: dict):
