@@ -176,11 +176,16 @@ def _hf_greedy(model, prompt: list[int], count: int) -> list[int]:
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("name", ["llama3_rope", "yarn_rope", "gemma3"])
-def test_greedy_continuation_of_a_scaled_rope_model_equals_transformers(name, tmp_path):
-    """32 tokens past the 64-position pretrained context: decoding with the KV cache rotates
-    each new position's keys and queries by the scaled frequencies as transformers does (and
-    Gemma 3's local layers attend to their window of the cache, rotated by their own RoPE)."""
+# One of each family: the imported model generates and trains as transformers' own.
+FAMILY_MODELS = ["llama3_rope", "mistral_window", "qwen2", "qwen3", "gemma2", "gemma3"]
+
+
+@pytest.mark.parametrize("name", [*FAMILY_MODELS, "yarn_rope"])
+def test_greedy_continuation_equals_transformers(name, tmp_path):
+    """A 48-token prompt and 32 tokens greedily decoded with the KV cache: for scaled RoPE past the
+    64-position pretrained context (each new position rotated by the scaled frequencies as
+    transformers does), for the windowed models with each local layer's cache a ring of its
+    window (Gemma 3's rotated by its own RoPE)."""
     from jaxscale.sampling import generate
 
     hf = _perturbed_hf(name)
@@ -236,12 +241,12 @@ def test_export_matches_transformers(name, shard_bytes, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, again, params)
 
 
-@pytest.mark.parametrize("name", ["qwen3", "gemma2"])
+@pytest.mark.parametrize("name", FAMILY_MODELS)
 def test_an_imported_model_trains_on_data_fsdp_tensor_as_on_one_device_and_as_transformers(name, tmp_path):
-    """Loaded straight onto data=2 x fsdp=2 x tensor=2 (Qwen3's q, k norms whole, its wide heads
-    split over tensor; Gemma 2's windows and soft-caps in the blockwise kernel's backward and the
-    vocabulary-parallel loss), the first step's loss equals one device's and transformers' own
-    loss on the same tokens, and the gradient norms agree."""
+    """Loaded straight onto data=2 x fsdp=2 x tensor=2 (Qwen2's biases and Qwen3's q, k norms
+    whole, Qwen3's wide heads split over tensor; the windows and Gemma 2's soft-caps in the
+    blockwise kernel's backward and the vocabulary-parallel loss), the first step's loss equals
+    one device's and transformers' own loss on the same tokens, and the gradient norms agree."""
     hf = _perturbed_hf(name)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     spec = ModelSpec(**model_config_from_hf(tmp_path))

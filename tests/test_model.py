@@ -183,7 +183,7 @@ def test_a_layer_pattern_gives_each_layer_its_kind_in_every_loop():
     with the KV cache (a prompt longer than the window, then a token a call; the local layers'
     caches rings of 3 slots) compute one function; the windows change it."""
     spec = dataclasses.replace(SPECS["llama_gqa_untied"], num_layers=5, layer_pattern="LLG", sliding_window=3,
-                               local_rope_theta=500.0)
+                               local_rope_theta=500.0, remat="full")  # scanned: remat by Transformer._in_turn
     tokens, out = _tokens(), {}
     for scan in (True, False):
         model = LanguageModel(dataclasses.replace(spec, scan_layers=scan))

@@ -282,15 +282,20 @@ class Transformer(nnx.Module):
                     return x, layer_cache
                 return one
 
-            def layers(x, params, caches, count: int):
+            def layers(x, params, caches, count: int, in_turn: bool = True):
                 """`count` layers from the pattern's start, of these stacked params and caches
-                ({stack: its kind's layers' caches, stacked} or None)."""
+                ({stack: its kind's layers' caches, stacked} or None). Training `in_turn`, the
+                layers run as a scan's iterations do (see _in_turn)."""
                 taken, out = Counter(), {name: [] for name in caches or {}}
                 for j in range(count):
                     kind = kinds[j % p]
+                    layer_params = jax.tree.map(lambda a, j=j: a[j], params)
+                    if caches is None and in_turn:
+                        x = self._in_turn(graphdef, dims, kind, first=not j)(layer_params, x, places)
+                        continue
                     name = decoding.stack_of(kind)
                     layer_cache = None if caches is None else jax.tree.map(lambda a, i=taken[name]: a[i], caches[name])
-                    x, layer_cache = step(kind)(x, (jax.tree.map(lambda a, j=j: a[j], params), layer_cache))
+                    x, layer_cache = step(kind)(x, (layer_params, layer_cache))
                     if caches is not None:
                         out[name].append(layer_cache)
                         taken[name] += 1
@@ -299,7 +304,7 @@ class Transformer(nnx.Module):
 
             count = jax.tree.leaves(params)[0].shape[0]
             if unroll and cache is None:
-                return layers(x_BLD, params, None, count)[0], None
+                return layers(x_BLD, params, None, count, in_turn=False)[0], None
             if p == 1:
                 name = decoding.stack_of(kinds[0])
                 x_BLD, out = jax.lax.scan(step(kinds[0]), x_BLD, (params, None if cache is None else cache[name]))
@@ -324,17 +329,19 @@ class Transformer(nnx.Module):
 
         return run
 
-    def _run_layer(self, body, layer_params, dims, x_BLD, places):
-        """body(params, x, places) -> (x, stats) on one layer's parameters, remat as set."""
+    def _run_layer(self, body, layer_params, dims, x_BLD, places, remat: bool = True):
+        """body(params, x, places) -> (x, stats) on one layer's parameters, remat as set (or none)."""
         s = self.spec
         # Under context parallelism a dense layer maps over `sequence` too (its attention then
         # runs the ring on the map's manual axis); an MoE layer routes whole rows, so it does not.
         length = s.strategy.context != "none" and not s.moe.num_experts
-        return fsdp.run(body, s.strategy.layout, s.weights, layer_params, dims, x_BLD, places, self._remat, length)
+        return fsdp.run(body, s.strategy.layout, s.weights, layer_params, dims, x_BLD, places,
+                        self._remat if remat else lambda f: f, length)
 
-    def _layer(self, graphdef, dims, params, x_BLD, places, cache, kind=None):
+    def _layer(self, graphdef, dims, params, x_BLD, places, cache, kind=None, remat: bool = True):
         """One layer (a Block or an MoEBlock) of LayerKind `kind` (None: the pattern's first):
-        (x_BLD, its updated cache or None, router statistics)."""
+        (x_BLD, its updated cache or None, router statistics); `remat` False: none, whatever
+        model.remat says."""
         if cache is not None:
             return decoding.layer(graphdef, params, x_BLD, places, cache, self.spec.dtype, kind)
 
@@ -342,8 +349,26 @@ class Transformer(nnx.Module):
             out = nnx.merge(graphdef, layer_params)(x, places, None, kind)
             return out[0], out[2] if len(out) == 3 else {}
 
-        x_BLD, stats = self._run_layer(body, params, dims, x_BLD, places)
+        x_BLD, stats = self._run_layer(body, params, dims, x_BLD, places, remat)
         return x_BLD, None, stats
+
+    def _in_turn(self, graphdef, dims, kind, first: bool):
+        """run(params, x, places) -> x: a dense layer of a period written out in a scan's body,
+        kept in turn as a scan's iterations are. Left free, XLA gathers a whole period's weights
+        at once, forward and backward (Gemma 3 12B on v5p-128: 26.2 GiB of temporaries a chip
+        against 14.7 for a scan over one kind of layer). So the layer's weights wait for the
+        previous layer's output (unless `first`), and under full remat its backward (a custom
+        VJP that is the remat: the inputs saved, the forward run again) starts on them only once
+        its output's cotangent exists: 15.8 GiB."""
+        def layer(params, x, places, remat=True):
+            return self._layer(graphdef, dims, params, x, places, None, kind, remat)[0]
+
+        def run(params, x, places):
+            if not first:
+                x, params = jax.lax.optimization_barrier((x, params))
+            return (_after_cotangent(layer) if self.spec.remat == "full" else layer)(params, x, places)
+
+        return run
 
     def _stored_dims(self, state, stacked: bool = True) -> dict | None:
         """Where each parameter of `state` is stored (Layout.stored); of a stack of layers, less
@@ -425,6 +450,25 @@ class Transformer(nnx.Module):
             return x_BLD, jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), caches), means, load_GX
 
         return run
+
+
+def _after_cotangent(layer):
+    """layer(params, x, places, remat=False) fully rematerialised by a custom VJP: the forward saves
+    its inputs, the backward runs the layer again and pulls the cotangent back, starting only once
+    the output's cotangent exists (an optimization barrier on it and the inputs)."""
+    @jax.custom_vjp
+    def run(params, x, places):
+        return layer(params, x, places, remat=False)
+
+    def forward(params, x, places):
+        return layer(params, x, places, remat=False), (params, x, places)
+
+    def backward(inputs, dy):
+        dy, inputs = jax.lax.optimization_barrier((dy, inputs))
+        return jax.vjp(lambda *a: layer(*a, remat=False), *inputs)[1](dy)
+
+    run.defvjp(forward, backward)
+    return run
 
 
 def _joined(head: dict, tail: dict) -> dict:
