@@ -2,8 +2,8 @@
 heads with RMSNorm on each query and key head, five sliding-window layers of 1024 tokens to one
 global layer, local RoPE theta 10k and global 1M scaled linearly x8, GeGLU 15360, vocab 262208,
 tied and sqrt(d_model)-scaled embeddings), seq 8192, for GPU/TPU pods (configs/llama3_8b.py's
-mesh, batch and optimizer). Start from the checkpoint's text model (model_type gemma3_text):
-python -m jaxscale.convert from-hf path/to/gemma-3-12b-text converted/
+mesh, batch and optimizer). Start from the checkpoint (its text model; the vision encoder is left out):
+python -m jaxscale.convert from-hf path/to/gemma-3-12b-pt converted/
 
 Plan its memory before launch, on any machine:
   python -m jaxscale.plan --config=configs/gemma3_12b.py --topology=v5p-128      # needs jaxscale[tpu]

@@ -83,6 +83,16 @@ def _gemma3():
     return transformers.Gemma3ForCausalLM(config)
 
 
+def _gemma3_with_vision():
+    """Gemma 3 as the 4B and larger checkpoints are: the text model beside a vision encoder."""
+    text = _gemma3().config.to_dict()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       attn_implementation="eager")
+    return transformers.Gemma3ForConditionalGeneration(config)
+
+
 HF_MODELS = {"llama_gqa_untied": lambda: _llama(False), "llama_tied": lambda: _llama(True), "gpt2": _gpt2,
              "llama3_rope": lambda: _llama(False, rope_scaling=dict(LLAMA3_ROPE)),  # a copy: HF adds to it
              "linear_rope": lambda: _llama(True, rope_scaling={"rope_type": "linear", "factor": 2.0}),
@@ -95,7 +105,7 @@ HF_MODELS = {"llama_gqa_untied": lambda: _llama(False), "llama_tied": lambda: _l
                                               head_dim=32),
              "mistral_window": lambda: _built_as_llama(transformers.MistralConfig, transformers.MistralForCausalLM,
                                                        sliding_window=6, attn_implementation="eager"),
-             "gemma2": _gemma2, "gemma3": _gemma3}
+             "gemma2": _gemma2, "gemma3": _gemma3, "gemma3_with_vision": _gemma3_with_vision}
 
 SPECS = {
     "llama_gqa_untied": ModelSpec(family="llama", num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
@@ -318,7 +328,6 @@ BASE_CONFIGS = {
                                                               "partial_rotary_factor": 0.5}),
      "rope_parameters.partial_rotary_factor"),
     ("llama", dict(attention_bias=True), "attention_bias"),
-    ("llama", dict(model_type="gemma3"), "model_type"),  # multimodal: its text model is gemma3_text
     ("llama", dict(model_type="phi3"), "model_type"),
     ("llama", dict(model_type="qwen3", attention_bias=True), "attention_bias"),
     ("llama", dict(model_type="qwen2", use_sliding_window=True), "use_sliding_window"),

@@ -23,6 +23,8 @@ from jaxscale.interop.hf_config import check_spec_matches, hf_config_from_spec, 
 from jaxscale.interop.hf_names import (
     BASE_PREFIX,
     IGNORED_SUFFIXES,
+    OTHER_PARTS,
+    TEXT_MODEL_PREFIXES,
     Row,
     hf_name,
     hf_part_sizes,
@@ -137,8 +139,10 @@ def _checkpoint_names(reader, rows, spec, layer_shapes) -> dict[tuple[Row, int |
 
 
 def _find(reader, name: str, prefix: str) -> str:
-    """`name`, or the same without the base-model prefix (checkpoints saved from GPT2Model/LlamaModel)."""
-    for candidate in (name, name.removeprefix(prefix)):
+    """`name`, or the same without the base-model prefix (checkpoints saved from GPT2Model/LlamaModel),
+    or under a multimodal checkpoint's text model (TEXT_MODEL_PREFIXES)."""
+    bare = name.removeprefix(prefix)
+    for candidate in (name, bare, *(text + bare for text in TEXT_MODEL_PREFIXES if name.startswith(prefix))):
         if candidate in reader.files:
             return candidate
     raise ConfigError("tensor", name, f"is missing from the checkpoint in {reader.dir}")
@@ -147,7 +151,8 @@ def _find(reader, name: str, prefix: str) -> str:
 def _refuse_leftovers(leftover: set[str], spec) -> None:
     """A tensor we have no parameter for would be dropped silently: refuse it unless it holds none."""
     tied_head = {"lm_head.weight"} if spec.tie_embeddings else set()  # some tied checkpoints store the copy
-    unknown = sorted(n for n in leftover if not n.endswith(IGNORED_SUFFIXES) and n not in tied_head)
+    unknown = sorted(n for n in leftover if not n.endswith(IGNORED_SUFFIXES) and n not in tied_head
+                     and not n.startswith(OTHER_PARTS))
     if unknown:
         raise ConfigError("tensor", unknown[0], f"jaxscale's {spec.family} has no parameter for it ({len(unknown)} "
                                                 f"such tensor(s)); this checkpoint is not a plain {spec.family}")

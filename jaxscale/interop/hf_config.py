@@ -44,6 +44,8 @@ LLAMA_LIKE = {"llama": ("LlamaForCausalLM", dict(attention_bias=False, mlp_bias=
 # Gemma's families: jaxscale's name -> (HF's model_type, transformers' class, the period of HF's default layer_types).
 GEMMA = {"gemma2": ("gemma2", "Gemma2ForCausalLM", "LG"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM", "LLLLLG")}
 MODEL_TYPES = {model_type: family for family, (model_type, _, _) in GEMMA.items()}
+# Multimodal checkpoints whose text model jaxscale imports: model_type -> the config's text part.
+MULTIMODAL = {"gemma3": "text_config"}
 
 # HF settings our model computes at these values only: field -> (supported values, HF's default, why).
 SUPPORTED = {
@@ -95,6 +97,8 @@ def model_config_from_hf(hf_dir) -> dict:
     Raises ConfigError naming the HF field for settings our model cannot reproduce exactly.
     """
     hf = read_hf_config(hf_dir)
+    if hf.get("model_type") in MULTIMODAL:  # its text model (transformers saves the text part whole)
+        hf = hf[MULTIMODAL[hf["model_type"]]]
     family = hf.get("model_type")
     if family in LLAMA_LIKE:
         return _from_llama(hf, family)
@@ -102,10 +106,9 @@ def model_config_from_hf(hf_dir) -> dict:
         return _from_gemma(hf, MODEL_TYPES[family])
     if family == "gpt2":
         return _from_gpt2(hf)
-    fix = ("is a multimodal Gemma 3; jaxscale imports Gemma 3 text models (model_type gemma3_text, as "
-           "gemma-3-1b)" if family == "gemma3" else "jaxscale imports Hugging Face models of type "
-           f"{', '.join(map(repr, [*LLAMA_LIKE, *MODEL_TYPES, 'gpt2']))} only")
-    raise ConfigError("model_type", family, fix)
+    raise ConfigError("model_type", family, "jaxscale imports Hugging Face models of type "
+                      f"{', '.join(map(repr, [*LLAMA_LIKE, *MODEL_TYPES, 'gpt2']))} only, and the text "
+                      f"model of {', '.join(map(repr, MULTIMODAL))}")
 
 
 def _refuse_unless(ok: bool, field: str, value, fix: str):

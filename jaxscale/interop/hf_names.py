@@ -104,6 +104,12 @@ TABLES: dict[str, tuple[Row, ...]] = {
 # Tensors HF checkpoints may carry that hold no parameter: the causal-mask buffers of older
 # GPT-2 saves and the RoPE frequencies of older Llama saves (we recompute both).
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
+# A multimodal checkpoint (Gemma 3 4B and up) keeps its text model under one of these in place of
+# `model.` (transformers' saves, 4.5x and 5.x alike, and its own in-memory names), its vision
+# encoder and projector (not imported) under the others.
+TEXT_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
+OTHER_PARTS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+               "language_model.lm_head.")
 
 
 def rows_for(family: str, paths: set[str]) -> tuple[Row, ...]:
