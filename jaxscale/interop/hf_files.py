@@ -40,13 +40,14 @@ class CheckpointReader(contextlib.ExitStack):
         return tuple(self._file(name).get_slice(name).get_shape())
 
     def read(self, name: str, axis: int = 0, start: int | None = None, stop: int | None = None) -> np.ndarray:
-        """The tensor, or only its [start:stop] range along `axis` (read from disk as such), in float32."""
+        """The tensor, or only its [start:stop] range along `axis` (read from disk as such), in the
+        checkpoint's dtype (hf_names.to_ours converts it as it lays it out: one float32 copy)."""
         if start is None:
-            return self._file(name).get_tensor(name).astype(np.float32, copy=False)
+            return self._file(name).get_tensor(name)
         view = self._file(name).get_slice(name)
         index = [slice(None)] * len(view.get_shape())
         index[axis] = slice(start, stop)
-        return view[tuple(index)].astype(np.float32, copy=False)
+        return view[tuple(index)]
 
 
 def _weight_map(hf_dir: Path) -> dict[str, str]:

@@ -122,9 +122,14 @@ def hf_name(row: Row, layer: int | None) -> str:
 
 
 def to_ours(hf_part: np.ndarray, row: Row, shape: tuple[int, ...]) -> np.ndarray:
-    """An HF tensor (or the part of a fused one that holds this parameter) in our per-layer shape."""
+    """An HF tensor (or the part of a fused one that holds this parameter), of any float dtype, in
+    our per-layer shape in float32: converted and transposed in at most one copy."""
     value = hf_part.T if row.kind == LINEAR else hf_part
-    return np.ascontiguousarray(value.reshape(shape), dtype=np.float32)
+    if value.dtype == np.float32 and value.flags.c_contiguous:
+        return value.reshape(shape)  # already laid out: no copy
+    out = np.empty(shape, np.float32)
+    np.copyto(out.reshape(value.shape), value, casting="unsafe")
+    return out
 
 
 def to_hf(ours: np.ndarray, row: Row) -> np.ndarray:
