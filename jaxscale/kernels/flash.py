@@ -92,16 +92,22 @@ def _bias(visible):
     return jnp.where(visible, 0.0, HIDDEN)[:, None, None]
 
 
+def soft_cap(z, cap: float):
+    """cap·tanh(z / cap): z squashed into (-cap, cap), near z where |z| << cap; z itself for cap 0.
+    Attention scores here and in decoding, the logits in models.vocab."""
+    return cap * jnp.tanh(z / cap) if cap else z
+
+
+def uncap(dz, capped, cap: float):
+    """The gradient wrt z before the cap, from dz wrt capped = soft_cap(z, cap): times the cap's
+    slope 1 - tanh², which is 1 - (capped / cap)²."""
+    return dz * (1.0 - jnp.square(capped / cap)) if cap else dz
+
+
 def _scores(q, k, softcap: float):
-    """[B, K, G, bq, bk] float32, scaled, then (softcap > 0) capped to softcap·tanh(s / softcap)."""
+    """[B, K, G, bq, bk] float32, scaled, then soft-capped at `softcap` (0: not)."""
     s = jnp.einsum("bkgqe,bkse->bkgqs", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
-    return softcap * jnp.tanh(s / softcap) if softcap else s
-
-
-def _uncap(ds, s, softcap: float):
-    """The gradient wrt the scores before the cap, from ds wrt the capped scores s: times the
-    cap's slope 1 - tanh², which is 1 - (s / softcap)²."""
-    return ds * (1.0 - jnp.square(s / softcap)) if softcap else ds
+    return soft_cap(s, softcap)
 
 
 def band_for(window: int, tile: int, tiles: int) -> int:
@@ -199,7 +205,7 @@ def backward(q, k, v, q_pos, k_pos, q_seg, k_seg, lse, row_delta, d_out, block_q
                                          preferred_element_type=jnp.float32)
                 dp = jnp.einsum("bkgqe,bkse->bkgqs", do_i, v_j, preferred_element_type=jnp.float32)
                 ds = p * (dp - _rows(row_delta, start, block_q, -1)[..., None])
-                ds = _uncap(ds, s, softcap) * q.shape[-1] ** -0.5
+                ds = uncap(ds, s, softcap) * q.shape[-1] ** -0.5
                 dk_j = dk_j + jnp.einsum("bkgqs,bkgqe->bkse", ds.astype(q_i.dtype), q_i,
                                          preferred_element_type=jnp.float32)
                 dq_i = jnp.einsum("bkgqs,bkse->bkgqe", ds.astype(k_j.dtype), k_j, preferred_element_type=jnp.float32)

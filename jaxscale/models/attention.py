@@ -178,8 +178,7 @@ def _attend_to(q_BLHE, k_BSKE, v_BSKE, positions_BL, key_positions_BS, window: i
     K = k_BSKE.shape[2]
     q_BLKGE = q_BLHE.reshape(B, L, K, H // K, E)
     s_BKGLS = jnp.einsum("BLKGE,BSKE->BKGLS", q_BLKGE, k_BSKE, preferred_element_type=jnp.float32) * E ** -0.5
-    if softcap:
-        s_BKGLS = softcap * jnp.tanh(s_BKGLS / softcap)
+    s_BKGLS = flash.soft_cap(s_BKGLS, softcap)
     back_BLS = positions_BL[:, :, None] - key_positions_BS[:, None, :]
     visible_BLS = (back_BLS >= 0) & (key_positions_BS[:, None, :] >= 0)
     visible_BLS = visible_BLS & (back_BLS < window) if window else visible_BLS

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jaxscale.errors import ConfigError
+from jaxscale.kernels.flash import soft_cap
 from jaxscale.models import decoding, fp8, pipelined
 from jaxscale.models.attention import KEPT, Placement, document_positions, resolve_impl
 from jaxscale.models.families import Architecture, check, head_size, period, preset
@@ -27,7 +28,7 @@ from jaxscale.models.moe import EXPERT_LOAD, LOAD, MAX_LOAD, STATS, MoE, MoESpec
 from jaxscale.models.precision import compute_dtype
 from jaxscale.models.rope import RopeScaling
 from jaxscale.models.strategy import Strategy
-from jaxscale.models.vocab import Table, cross_entropy, embed, softcap
+from jaxscale.models.vocab import Table, cross_entropy, embed
 from jaxscale.names import UNROLL_UP_TO
 from jaxscale.parallel import context, fsdp
 from jaxscale.sharding import Layout, constrain
@@ -251,8 +252,8 @@ class Transformer(nnx.Module):
         the soft-cap, model.final_logit_softcap)."""
         x_BLD = constrain(self.final_norm(x_BLD), self.spec.strategy.layout, INNER)
         w_DV = (self.embed[...].T if self.spec.tie_embeddings else self.head[...]).astype(self.spec.dtype)
-        logits_BLV = softcap(jnp.einsum("BLD,DV->BLV", x_BLD, w_DV, preferred_element_type=jnp.float32),
-                             self.spec.final_logit_softcap)
+        logits_BLV = soft_cap(jnp.einsum("BLD,DV->BLV", x_BLD, w_DV, preferred_element_type=jnp.float32),
+                              self.spec.final_logit_softcap)
         return constrain(logits_BLV, self.spec.strategy.layout, ("batch", "act_length", "act_vocab"))
 
     def stage_fn(self):

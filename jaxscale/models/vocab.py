@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxscale.kernels.flash import soft_cap, uncap
 from jaxscale.models.layers import RESIDUAL
 from jaxscale.parallel import fsdp, rings
 from jaxscale.parallel.fsdp import Weights
@@ -166,11 +167,6 @@ class _Head:
     softcap: float = 0.0      # logits z -> softcap * tanh(z / softcap); 0 = none
 
 
-def softcap(z, cap: float):
-    """cap * tanh(z / cap): z squashed into (-cap, cap), near z where |z| << cap; z itself for cap 0."""
-    return cap * jnp.tanh(z / cap) if cap else z
-
-
 def chunk_columns(tokens: int, columns: int, mib: float, split: bool = False) -> int:
     """Vocabulary columns per chunk so that a chunk's float32 logits of `tokens` rows take at
     most `mib` MiB (0: one chunk), a multiple of 128 where it splits; at least two chunks when
@@ -190,7 +186,7 @@ def _chunk_weight(w_DV, c, head: _Head):
 def _chunk_logits(x_TD, w_chunk, c, head: _Head):
     """(float32 logits [T, chunk] of chunk c, soft-capped, the padding columns at -inf; their local
     column numbers)."""
-    logits = softcap(jnp.einsum("TD,DV->TV", x_TD, w_chunk, preferred_element_type=jnp.float32), head.softcap)
+    logits = soft_cap(jnp.einsum("TD,DV->TV", x_TD, w_chunk, preferred_element_type=jnp.float32), head.softcap)
     columns = c * head.chunk + jnp.arange(head.chunk)
     return jnp.where(columns < head.columns, logits, -jnp.inf), columns
 
@@ -260,8 +256,8 @@ def _bwd(head, residuals, cotangents):
         else:
             p, columns = probs, c * head.chunk + jnp.arange(head.chunk)
         d_logits = p * scale - (columns[None] == targets[:, None]) * g
-        if head.softcap:  # through the cap: d/dz cap tanh(z / cap) = 1 - (capped / cap)^2
-            d_logits = d_logits * (1 - jnp.square(jnp.where(columns < head.columns, logits, 0.0) / head.softcap))
+        if head.softcap:  # through the cap (padding columns, at -inf, have no gradient to pass)
+            d_logits = uncap(d_logits, jnp.where(columns < head.columns, logits, 0.0), head.softcap)
         d_logits = d_logits.astype(head.compute)
         dx = dx + jnp.einsum("TV,DV->TD", d_logits, w_chunk, preferred_element_type=jnp.float32)
         d_chunk = jnp.einsum("TD,TV->DV", x_TD, d_logits, preferred_element_type=jnp.float32).astype(head.reduce)
