@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxscale.errors import ConfigError
 from jaxscale.kernels.flash import soft_cap
-from jaxscale.models import decoding, fp8, pipelined
+from jaxscale.models import decoding, fp8, periods, pipelined
 from jaxscale.models.attention import KEPT, Placement, document_positions, resolve_impl
 from jaxscale.models.families import Architecture, check, head_size, period, preset
 from jaxscale.models.layers import AXES_KEY, INNER, MLP, RESIDUAL, Attention, LayerKind, norm, normal
@@ -312,12 +312,8 @@ class Transformer(nnx.Module):
                 return x_BLD, None if cache is None else {name: out}
             groups, per_group = count // p, Counter(decoding.stack_of(kind) for kind in kinds)
 
-            def split(tree, stack=None):  # (the whole periods [groups, per period, ...], the rest)
-                n = p if stack is None else per_group[stack]
-                return (jax.tree.map(lambda a: a[:groups * n].reshape(groups, n, *a.shape[1:]), tree),
-                        jax.tree.map(lambda a: a[groups * n:], tree))
-
-            (whole, rest), caches = split(params), {name: split(c, name) for name, c in (cache or {}).items()}
+            whole, rest = periods.split(params, groups, p)
+            caches = {name: periods.split(c, groups, per_group[name]) for name, c in (cache or {}).items()}
             whole_caches = None if cache is None else {name: c[0] for name, c in caches.items()}
             x_BLD, head = (jax.lax.scan(lambda x, xs: layers(x, *xs, p), x_BLD, (whole, whole_caches)) if groups
                            else (x_BLD, None))
@@ -326,7 +322,7 @@ class Transformer(nnx.Module):
                 return x_BLD, head
             x_BLD, tail = layers(x_BLD, rest, None if cache is None else {n: c[1] for n, c in caches.items()},
                                  count - groups * p)
-            return x_BLD, None if cache is None else _joined(head or {}, tail)
+            return x_BLD, None if cache is None else periods.joined(head or {}, tail)
 
         return run
 
@@ -367,7 +363,7 @@ class Transformer(nnx.Module):
         def run(params, x, places):
             if not first:
                 x, params = jax.lax.optimization_barrier((x, params))
-            return (_after_cotangent(layer) if self.spec.remat == "full" else layer)(params, x, places)
+            return (periods.after_cotangent(layer) if self.spec.remat == "full" else layer)(params, x, places)
 
         return run
 
@@ -451,31 +447,6 @@ class Transformer(nnx.Module):
             return x_BLD, jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), caches), means, load_GX
 
         return run
-
-
-def _after_cotangent(layer):
-    """layer(params, x, places, remat=False) fully rematerialised by a custom VJP: the forward saves
-    its inputs, the backward runs the layer again and pulls the cotangent back, starting only once
-    the output's cotangent exists (an optimization barrier on it and the inputs)."""
-    @jax.custom_vjp
-    def run(params, x, places):
-        return layer(params, x, places, remat=False)
-
-    def forward(params, x, places):  # through `run`, not `layer`: 15.8 GiB against 16.3 (Transformer._in_turn)
-        return run(params, x, places), (params, x, places)
-
-    def backward(inputs, dy):
-        dy, inputs = jax.lax.optimization_barrier((dy, inputs))
-        return jax.vjp(lambda *a: layer(*a, remat=False), *inputs)[1](dy)
-
-    run.defvjp(forward, backward)
-    return run
-
-
-def _joined(head: dict, tail: dict) -> dict:
-    """{stack: head's layers, then tail's} of two caches' stacks, either of which may lack one."""
-    return {name: jax.tree.map(lambda h, t: jnp.concatenate([h, t]), head[name], tail[name])
-            if name in head and name in tail else head.get(name, tail.get(name)) for name in {**head, **tail}}
 
 
 def _stacked(make_block, count: int, rngs: nnx.Rngs):
