@@ -4,15 +4,15 @@ like any other, and its export loads in transformers with matching logits."""
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from conftest import LazyModule, run_cli
+from jaxscale import config as config_lib
+from jaxscale.checkpoint import load_params
+from jaxscale.convert import to_hf
+from jaxscale.models import model_from_config
+from jaxscale.runtime.loop import train
 
-from conftest import run_cli  # noqa: E402
-from jaxscale import config as config_lib  # noqa: E402
-from jaxscale.checkpoint import load_params  # noqa: E402
-from jaxscale.convert import to_hf  # noqa: E402
-from jaxscale.models import model_from_config  # noqa: E402
-from jaxscale.runtime.loop import train  # noqa: E402
+torch = LazyModule("torch")
+transformers = LazyModule("transformers")
 
 TOKENS = np.random.default_rng(0).integers(0, 256, (1, 12))
 

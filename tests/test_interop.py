@@ -16,16 +16,16 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+from conftest import LazyModule, build_for, make_layout
+from jaxscale import sharding as shd
+from jaxscale.errors import ConfigError
+from jaxscale.interop import load_hf_params, model_config_from_hf, save_hf
+from jaxscale.models import LanguageModel, ModelSpec
+from jaxscale.models.rope import RopeScaling
+from jaxscale.state import param_specs
 
-from conftest import build_for, make_layout  # noqa: E402
-from jaxscale import sharding as shd  # noqa: E402
-from jaxscale.errors import ConfigError  # noqa: E402
-from jaxscale.interop import load_hf_params, model_config_from_hf, save_hf  # noqa: E402
-from jaxscale.models import LanguageModel, ModelSpec  # noqa: E402
-from jaxscale.models.rope import RopeScaling  # noqa: E402
-from jaxscale.state import param_specs  # noqa: E402
+torch = LazyModule("torch")
+transformers = LazyModule("transformers")
 
 ATOL = 1e-4
 VOCAB = 100

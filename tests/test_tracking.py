@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from conftest import main_cli, run_cli
+from conftest import LazyModule, main_cli, run_cli
 from jaxscale import report, tracking
 from jaxscale.errors import ConfigError
 from jaxscale.runtime.loop import train
 
-mlflow = pytest.importorskip("mlflow")
+mlflow = LazyModule("mlflow")
 
 
 def test_jsonl_and_tensorboard(tiny_config, tmp_path):
