@@ -42,6 +42,17 @@ def test_devices_come_from_libtpu_and_share_a_chips_hbm():
     assert devices[0].device_kind == "TPU v5 lite" and topology.hbm_per_device(pod, devices) == 16 * 2**30
 
 
+def test_an_axis_no_whole_torus_axes_make_splits_one():
+    """expert=8 x fsdp=8 on a v5p-128 (4x4x4 chips): no product of whole torus axes is 8, so the
+    mesh splits one (as JAX allows when asked) rather than failing; every chip once."""
+    from jaxscale.mesh import AXES, make_mesh
+
+    devices, _ = topology.compile_only_devices("v5p-128")
+    mesh = make_mesh({**dict.fromkeys(AXES, 1), "expert": 8, "fsdp": 8}, devices)
+    assert (mesh.shape["expert"], mesh.shape["fsdp"]) == (8, 8)
+    assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in devices)
+
+
 def test_without_libtpu_the_error_says_what_to_install(monkeypatch):
     from jax.experimental import topologies
 
