@@ -82,6 +82,14 @@ def _add_model(c: ml_collections.ConfigDict) -> None:
             bias_rate=0.0,             # auxiliary-loss-free balancing (DeepSeek-V3): after each step every
                                        # expert's selection bias moves this much towards an even load; 0 = off
             z_loss_weight=0.001,       # router z-loss (mean logsumexp(logits)^2) in the training loss
+            score="softmax",           # softmax | sigmoid: the router's scores (DeepSeek-V3: sigmoid of each logit)
+            renormalize=True,          # top_k > 1: the chosen scores divided by their sum (HF norm_topk_prob);
+                                       # False: the raw scores (some Qwen3-MoE checkpoints)
+            expert_groups=1,           # group-limited routing (DeepSeek-V3, HF n_group): experts in this many
+                                       # consecutive groups, each scored by the sum of its top-2 selection scores;
+            top_groups=1,              # a token chooses only among its top_groups best groups (HF topk_group);
+                                       # 1 and 1 (or top_groups=expert_groups): no limit
+            routed_scale=1.0,          # combine weights x this (HF routed_scaling_factor; DeepSeek-V3: 2.5)
         ),
     )
 

@@ -45,8 +45,9 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
 }
 
 # The choices of config settings.
-FAMILIES = ("llama", "gpt2", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+FAMILIES = ("llama", "gpt2", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # model.rope_scaling.type (models.rope)
+ROUTER_SCORES = ("softmax", "sigmoid")  # model.moe.score (models.moe.route)
 REMAT_POLICIES = ("none", "full", "dots_saveable")
 LAYER_LOOPS = ("auto", "scan", "unroll")
 PROJECTIONS = ("auto", "einsum", "cpu")

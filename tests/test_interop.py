@@ -21,6 +21,7 @@ from jaxscale import sharding as shd
 from jaxscale.errors import ConfigError
 from jaxscale.interop import load_hf_params, model_config_from_hf, save_hf
 from jaxscale.models import LanguageModel, ModelSpec
+from jaxscale.models.moe import MoESpec
 from jaxscale.models.rope import RopeScaling
 from jaxscale.state import param_specs
 
@@ -93,6 +94,25 @@ def _gemma3_with_vision():
     return transformers.Gemma3ForConditionalGeneration(config)
 
 
+# Mixtures of experts, dropless as transformers computes them: Mixtral with experts in every
+# layer and its top-2 weights renormalised; Qwen3-MoE with an MoE layer every second layer (0 and
+# 2 dense, 1 and 3 MoE: the two stacks map back to HF's layer numbers) and its top-2
+# probabilities as they are (norm_topk_prob false).
+def _mixtral():
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, rope_theta=5e4, rms_norm_eps=1e-5)
+    return transformers.MixtralForCausalLM(config)
+
+
+def _qwen3_moe():
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=48, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=2, norm_topk_prob=False, rope_theta=5e4, rms_norm_eps=1e-5)
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
 HF_MODELS = {"llama_gqa_untied": lambda: _llama(False), "llama_tied": lambda: _llama(True), "gpt2": _gpt2,
              "llama3_rope": lambda: _llama(False, rope_scaling=dict(LLAMA3_ROPE)),  # a copy: HF adds to it
              "linear_rope": lambda: _llama(True, rope_scaling={"rope_type": "linear", "factor": 2.0}),
@@ -105,7 +125,8 @@ HF_MODELS = {"llama_gqa_untied": lambda: _llama(False), "llama_tied": lambda: _l
                                               head_dim=32),
              "mistral_window": lambda: _built_as_llama(transformers.MistralConfig, transformers.MistralForCausalLM,
                                                        sliding_window=6, attn_implementation="eager"),
-             "gemma2": _gemma2, "gemma3": _gemma3, "gemma3_with_vision": _gemma3_with_vision}
+             "gemma2": _gemma2, "gemma3": _gemma3, "gemma3_with_vision": _gemma3_with_vision,
+             "mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
 
 SPECS = {
     "llama_gqa_untied": ModelSpec(family="llama", num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
@@ -127,6 +148,13 @@ SPECS = {
     "gemma2": ModelSpec(family="gemma2", num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
                         vocab_size=VOCAB, rope_theta=5e4, layer_pattern="LG", sliding_window=5, query_scale=24.0,
                         attn_logit_softcap=2.0, final_logit_softcap=8.0, norm_eps=1e-6),
+    "mixtral": ModelSpec(family="mixtral", num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=96,
+                         vocab_size=VOCAB, tie_embeddings=False, rope_theta=5e4,
+                         moe=MoESpec(num_experts=4, top_k=2, capacity_factor=0.0)),
+    "qwen3_moe": ModelSpec(family="qwen3_moe", num_layers=4, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
+                           vocab_size=VOCAB, tie_embeddings=False, rope_theta=5e4, head_dim=32,
+                           moe=MoESpec(num_experts=4, top_k=2, capacity_factor=0.0, d_ff=48, every_n_layers=2,
+                                       renormalize=False)),
     "gemma3": ModelSpec(family="gemma3", num_layers=3, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
                         vocab_size=VOCAB, rope_theta=5e4, rope_scaling=dict(type="linear", factor=2.0),
                         layer_pattern="LG", sliding_window=4, local_rope_theta=1e4, norm_eps=1e-6),
@@ -187,7 +215,7 @@ def _hf_greedy(model, prompt: list[int], count: int) -> list[int]:
 
 
 # One of each family: the imported model generates and trains as transformers' own.
-FAMILY_MODELS = ["llama3_rope", "mistral_window", "qwen2", "qwen3", "gemma2", "gemma3"]
+FAMILY_MODELS = ["llama3_rope", "mistral_window", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("name", [*FAMILY_MODELS, "yarn_rope"])
@@ -236,7 +264,8 @@ def test_import_base_model_names_and_bf16(tmp_path):
 @pytest.mark.parametrize("name, shard_bytes", [("llama_gqa_untied", None), ("gpt2_tied", None),
                                                ("llama_gqa_untied", 40_000), ("llama3_rope", None),
                                                ("yarn_rope", None), ("mistral", None), ("qwen2", None),
-                                               ("qwen3", None), ("gemma2", None), ("gemma3", None)])
+                                               ("qwen3", None), ("gemma2", None), ("gemma3", None),
+                                               ("mixtral", None), ("qwen3_moe", None)])
 def test_export_matches_transformers(name, shard_bytes, tmp_path):
     spec, kwargs = SPECS[name], {} if shard_bytes is None else {"max_shard_bytes": shard_bytes}
     params = _perturbed_ours(spec)
@@ -244,19 +273,26 @@ def test_export_matches_transformers(name, shard_bytes, tmp_path):
     assert (len(files) > 2) == (shard_bytes is not None)
     assert (tmp_path / "model.safetensors.index.json").exists() == (len(files) > 1)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    assert type(hf).__name__.lower().startswith(spec.family)  # its own family's class: MistralForCausalLM, ...
+    assert type(hf).__name__.lower().startswith(spec.family.replace("_", ""))  # its family's: Qwen3MoeForCausalLM, ...
     assert model_config_from_hf(tmp_path)["layer_pattern"] == spec.layer_pattern
     _assert_logits_match(_hf_logits(hf), _our_logits(spec, params))
     again = load_hf_params(tmp_path, spec)  # and back, bit for bit
     jax.tree.map(np.testing.assert_array_equal, again, params)
 
 
+# Where each family trains beside one device: the dense ones on data x fsdp x tensor, the mixtures
+# of experts with their experts split over expert=4 (the batch over expert x data).
+TRAIN_LAYOUTS = {**dict.fromkeys(FAMILY_MODELS, dict(data=2, fsdp=2, tensor=2)),
+                 "mixtral": dict(expert=4, data=2), "qwen3_moe": dict(expert=4, data=2)}
+
+
 @pytest.mark.parametrize("name", FAMILY_MODELS)
 def test_an_imported_model_trains_on_data_fsdp_tensor_as_on_one_device_and_as_transformers(name, tmp_path):
     """Loaded straight onto data=2 x fsdp=2 x tensor=2 (Qwen2's biases and Qwen3's q, k norms
     whole, Qwen3's wide heads split over tensor; the windows and Gemma 2's soft-caps in the
-    blockwise kernel's backward and the vocabulary-parallel loss), the first step's loss equals
-    one device's and transformers' own loss on the same tokens, and the gradient norms agree."""
+    blockwise kernel's backward and the vocabulary-parallel loss), or a mixture of experts onto
+    expert=4 x data=2, the first step's loss equals one device's and transformers' own loss on the
+    same tokens, and the gradient norms agree."""
     hf = _perturbed_hf(name)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     spec = ModelSpec(**model_config_from_hf(tmp_path))
@@ -267,14 +303,14 @@ def test_an_imported_model_trains_on_data_fsdp_tensor_as_on_one_device_and_as_tr
                                                          .reshape(-1)))
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     metrics = []
-    for sizes in (dict(devices=1), dict(data=2, fsdp=2, tensor=2)):
+    for sizes in (dict(devices=1), TRAIN_LAYOUTS[name]):
         run = build_for(spec, rows=8, seq_len=16, **sizes)
         state = run.init_state(load_hf_params(tmp_path, spec, run.shardings.params))
         metrics.append(jax.device_get(run.train_step(state, jax.device_put(batch, run.batch_sharding))[1]))
     one, split = metrics
     np.testing.assert_allclose(split["loss"], one["loss"], rtol=1e-5)
     np.testing.assert_allclose(split["grad_norm"], one["grad_norm"], rtol=1e-5)
-    np.testing.assert_allclose(one["loss"], theirs, rtol=1e-5)
+    np.testing.assert_allclose(one["loss"], theirs, rtol=1e-5)  # the cross-entropy (a mixture's balancing loss aside)
 
 
 def test_sharded_load_and_save(tmp_path):

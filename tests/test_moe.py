@@ -1,5 +1,6 @@
-"""Mixture of experts: routing by hand, the layer against a dense reference, expert parallelism
-against one device, PartitionSpecs, the planner, decoding, validation and the CLI."""
+"""Mixture of experts: routing by hand and against transformers' routers, the layer against a
+dense reference, expert parallelism against one device, PartitionSpecs, the planner, decoding,
+validation and the CLI."""
 
 import json
 import re
@@ -11,13 +12,15 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from conftest import ROOT, build_for, initial_state, main_cli, make_layout
+from conftest import ROOT, LazyModule, build_for, initial_state, main_cli, make_layout
 from jaxscale import config as config_lib
 from jaxscale.analysis import mfu
 from jaxscale.errors import ConfigError
 from jaxscale.models import LanguageModel, ModelSpec, Strategy
 from jaxscale.models.moe import MoE, MoESpec, capacity, expert_mlp, route
 from jaxscale.validate import validate
+
+torch = LazyModule("torch")
 
 # 4 layers in groups of 2 (dense, then MoE); 8 experts, top-2. A capacity factor of
 # num_experts/top_k gives every expert room for a whole sequence: nothing is ever dropped.
@@ -79,20 +82,112 @@ def test_top_1_keeps_the_raw_probability():
     np.testing.assert_allclose(r.aux_loss, 3 * (3 / 4 * 0.475 + 1 / 4 * 0.275), rtol=1e-6)
 
 
+def _hf_router(module: str, name: str, config: str, width: int, **fields):
+    """transformers' router class `name` (from models.<module>) with `width` experts and inputs,
+    its weight the identity: its input rows are the router logits."""
+    modeling = pytest.importorskip(f"transformers.models.{module}.modeling_{module}")
+    configuration = pytest.importorskip(f"transformers.models.{module}.configuration_{module}")
+    if not hasattr(modeling, name):
+        pytest.skip(f"this transformers has no {name}")
+    router = getattr(modeling, name)(getattr(configuration, config)(hidden_size=width, **fields))
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(width))
+    return router
+
+
+def _by_expert(experts, weights):
+    """Each token's (expert, weight) pairs ordered by expert: torch.topk(sorted=False) has no set order."""
+    experts, weights = np.asarray(experts), np.asarray(weights)
+    order = np.argsort(experts, -1)
+    return np.take_along_axis(experts, order, -1), np.take_along_axis(weights, order, -1)
+
+
+def test_sigmoid_group_limited_routing_equals_transformers_deepseek_v3():
+    """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter) on the same logits and selection
+    bias: sigmoid scores, 16 experts in 4 groups of which each token may use its 2 best, the
+    chosen scores renormalised and scaled by 2.5; the same experts and combine weights for top_k
+    2 to 4. Continuous random logits: no ties."""
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 8, 16)).astype(np.float32)
+    bias = (0.3 * rng.normal(size=16)).astype(np.float32)
+    options = dict(score="sigmoid", expert_groups=4, top_groups=2, routed_scale=2.5, renormalize=True)
+    for k in (2, 3, 4):
+        hf = _hf_router("deepseek_v3", "DeepseekV3TopkRouter", "DeepseekV3Config", 16, n_routed_experts=16,
+                        num_experts_per_tok=k, n_group=4, topk_group=2, norm_topk_prob=True,
+                        routed_scaling_factor=2.5)
+        with torch.no_grad():
+            hf.e_score_correction_bias.copy_(torch.from_numpy(bias))
+            hf_logits, hf_weights, hf_experts = hf(torch.from_numpy(logits.reshape(16, 16)))
+        np.testing.assert_array_equal(hf_logits.numpy(), logits.reshape(16, 16))  # the identity is exact
+        r = route(jnp.asarray(logits), k, capacity_per_row=8, bias_X=jnp.asarray(bias), **options)
+        want_experts, want_weights = _by_expert(hf_experts.numpy().reshape(2, 8, k),
+                                                hf_weights.numpy().reshape(2, 8, k))
+        got_experts, got_weights = _by_expert(r.experts, r.weights)
+        np.testing.assert_array_equal(got_experts, want_experts, err_msg=f"top_k={k}")
+        np.testing.assert_allclose(got_weights, want_weights, rtol=1e-6, err_msg=f"top_k={k}")
+        np.testing.assert_allclose(r.weights.sum(-1), 2.5, rtol=1e-6)
+        # the limit matters here: unlimited routing would choose other experts for some tokens
+        free = route(jnp.asarray(logits), k, 8, bias_X=jnp.asarray(bias), **{**options, "top_groups": 4})
+        assert (np.sort(free.experts, -1) != got_experts).any()
+
+
+def test_softmax_routing_without_renormalising_equals_transformers_qwen3_moe():
+    """Qwen3-MoE's router (transformers' Qwen3MoeTopKRouter) with norm_topk_prob False (the raw
+    softmax probabilities of the chosen experts) and True: the same experts, in the same order,
+    and combine weights."""
+    logits = np.random.default_rng(1).normal(size=(2, 8, 8)).astype(np.float32)
+    for norm in (False, True):
+        hf = _hf_router("qwen3_moe", "Qwen3MoeTopKRouter", "Qwen3MoeConfig", 8, num_experts=8, num_experts_per_tok=3,
+                        norm_topk_prob=norm)
+        with torch.no_grad():
+            _, hf_weights, hf_experts = hf(torch.from_numpy(logits.reshape(16, 8)))
+        r = route(jnp.asarray(logits), 3, capacity_per_row=8, renormalize=norm)
+        np.testing.assert_array_equal(r.experts, hf_experts.numpy().reshape(2, 8, 3))
+        np.testing.assert_allclose(r.weights, hf_weights.float().numpy().reshape(2, 8, 3), rtol=1e-6)
+        sums = np.asarray(r.weights.sum(-1))
+        assert np.allclose(sums, 1, rtol=1e-6) if norm else (sums < 0.999).all()
+
+
+def test_sigmoid_balancing_loss_averages_the_scores_normalised_per_token():
+    """With sigmoid scores the balancing loss's mean score is that of the scores divided by their
+    sum per token (DeepSeek-V3's sequence-wise balance loss); the z-loss stays logsumexp^2."""
+    logits = np.random.default_rng(2).normal(size=(2, 6, 4)).astype(np.float32)
+    r = route(jnp.asarray(logits), 2, capacity_per_row=6, score="sigmoid")
+    scores = 1 / (1 + np.exp(-logits))
+    share = (scores / scores.sum(-1, keepdims=True)).mean(1)                    # [B, X]
+    fraction = np.asarray(r.counts) / (6 * 2)
+    np.testing.assert_allclose(r.aux_loss, (4 * (fraction * share).sum(-1)).mean(), rtol=1e-6)
+    lse = np.log(np.exp(logits).sum(-1))
+    np.testing.assert_allclose(r.z_loss, (lse ** 2).mean(), rtol=1e-6)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 @pytest.mark.parametrize("capacity_factor, shared", [(1.0, 0), (4.0, 0), (0.0, 0), (0.0, 2), (1.0, 1)])
 def test_layer_equals_a_dense_reference(family, capacity_factor, shared):
     """Dispatch, experts and combine equal running every expert on every token and summing the
     kept choices with their weights (with drops at capacity factor 1; 0 is dropless), plus the
     shared experts' MLP on every token."""
+    _against_a_dense_reference(family, capacity_factor, shared)
+
+
+def test_the_layer_routes_with_its_router_options():
+    """DeepSeek-V3's router options (sigmoid, 2 groups of 2 experts of which one is open,
+    weights x 2.5) reach `route` from the layer: it equals the dense reference routed with them."""
+    _against_a_dense_reference("llama", 0.0, 1, score="sigmoid", expert_groups=2, top_groups=1, routed_scale=2.5)
+
+
+def _against_a_dense_reference(family, capacity_factor, shared, **router):
     spec = ModelSpec(family=family, num_layers=2, d_model=16, d_ff=32, num_heads=2, num_kv_heads=2,
-                     moe=MoESpec(num_experts=4, top_k=2, capacity_factor=capacity_factor, num_shared=shared),
+                     moe=MoESpec(num_experts=4, top_k=2, capacity_factor=capacity_factor, num_shared=shared,
+                                 **router),
                      init_std=0.5)
     layer = MoE(spec, nnx.Rngs(0))
     x = jax.random.normal(jax.random.PRNGKey(1), (3, 10, 16))
     out, stats = layer(x)
     logits = jnp.einsum("BLD,DX->BLX", x, layer.router[...])
-    r = route(logits, 2, capacity(10, spec.moe))
+    r = route(logits, 2, capacity(10, spec.moe), **router)
+    if router:  # the options changed the routing
+        assert not np.array_equal(r.experts, route(logits, 2, capacity(10, spec.moe)).experts)
     every = expert_mlp(jnp.broadcast_to(x.reshape(1, 30, 16), (4, 30, 16)), layer.experts(), layer.kind)
     every = every.reshape(4, 3, 10, 16)  # [expert, B, L, D]
     want = sum(r.weights[..., j, None] * jnp.take_along_axis(every, r.experts[None, ..., j, None], 0)[0]
@@ -369,6 +464,15 @@ def test_active_parameters_for_mfu():
      "not dense weights"),
     (["model.moe.num_experts=8", "mesh.expert=4", "mesh.data=2", "train.global_batch_size=4"],
      "train.global_batch_size", "8 batch shards (data=2xexpert=4)"),
+    (["model.moe.num_experts=8", "model.moe.score=foo"], "model.moe.score", "choose one of softmax, sigmoid"),
+    (["model.moe.num_experts=8", "model.moe.expert_groups=3"], "model.moe.expert_groups",
+     "divide model.moe.num_experts=8"),
+    (["model.moe.num_experts=8", "model.moe.expert_groups=8"], "model.moe.expert_groups", "at most 4 groups"),
+    (["model.moe.num_experts=8", "model.moe.expert_groups=4", "model.moe.top_groups=5"], "model.moe.top_groups",
+     "between 1 and model.moe.expert_groups=4"),
+    (["model.moe.num_experts=8", "model.moe.expert_groups=4", "model.moe.top_k=3"], "model.moe.top_k",
+     "at most 2; raise top_groups"),
+    (["model.moe.num_experts=8", "model.moe.routed_scale=0"], "model.moe.routed_scale", "must be > 0"),
 ])
 def test_bad_moe_input_names_field(overrides, field, words):
     config = config_lib.defaults()
@@ -402,12 +506,13 @@ def test_cli_expert_parallel_logs_the_one_device_loss(tmp_path):
     assert numeric(one)["moe_expert_load/7"] == load[7]
 
 
-def test_hugging_face_export_refuses_an_moe_model():
+def test_hugging_face_export_refuses_experts_its_family_has_not():
+    """A llama with experts is no Hugging Face model (Mixtral and Qwen3-MoE are: tests/test_interop.py)."""
     from jaxscale.interop.hf_config import hf_config_from_spec
 
     with pytest.raises(ConfigError) as info:
         hf_config_from_spec(SPEC)
-    assert info.value.field == "model.moe.num_experts" and "covers dense models" in str(info.value)
+    assert info.value.field == "model.moe.num_experts" and "mixtral, qwen3_moe" in str(info.value)
 
 
 def test_routing_under_context_parallelism_drops_the_tokens_one_device_drops():

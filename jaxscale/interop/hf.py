@@ -1,4 +1,5 @@
-"""Hugging Face weights in and out: Llama, Mistral, Qwen2 (their *ForCausalLM) and GPT-2 (GPT2LMHeadModel).
+"""Hugging Face weights in and out: the families of interop.hf_names.TABLES (their *ForCausalLM;
+GPT-2's GPT2LMHeadModel), mixtures of experts with one tensor per expert as their checkpoints store them.
 
 Both directions keep host memory near one tensor (loading) or one shard (saving): tensors are
 read and written one at a time, and stacked layer parameters one layer slice at a time.
@@ -26,6 +27,7 @@ from jaxscale.interop.hf_names import (
     OTHER_PARTS,
     TEXT_MODEL_PREFIXES,
     Row,
+    hf_layer,
     hf_name,
     hf_part_sizes,
     hf_shape,
@@ -56,7 +58,7 @@ def load_hf_params(hf_dir, spec, shardings=None) -> dict:
     rows = rows_for(spec.family, set(shapes))
     params = {}
     with hf_files.CheckpointReader(hf_dir) as reader:
-        names = _checkpoint_names(reader, rows, spec, layer_shapes)
+        names = _checkpoint_names(reader, rows, spec, shapes)
         for row in rows:
             for path, (start, stop) in zip(row.ours, _part_ranges(row, layer_shapes)):
                 read = functools.partial(_read_param, reader, names, row, layer_shapes[path], start, stop)
@@ -77,16 +79,18 @@ def save_hf(params: dict, spec, out_dir, max_shard_bytes: int = DEFAULT_SHARD_BY
     config = hf_config_from_spec(spec)  # refuse before anything is written
     flat = flatten_dict(params, sep="/")
     _check_tree(flat, spec)
-    layer_shapes = _per_layer({path: tuple(x.shape) for path, x in flat.items()})
-    tensors = _export_order(rows_for(spec.family, set(flat)), spec.num_layers)
-    sizes = {name: 4 * math.prod(hf_shape(row, layer_shapes)) for name, (row, _) in tensors.items()}
+    shapes = {path: tuple(x.shape) for path, x in flat.items()}
+    layer_shapes = _per_layer(shapes)
+    tensors = _export_order(rows_for(spec.family, set(flat)), shapes, spec.moe.every_n_layers)
+    sizes = {name: 4 * math.prod(hf_shape(row, layer_shapes)) for name, (row, *_) in tensors.items()}
     shards = hf_files.plan_shards(sizes, max_shard_bytes)
     files = hf_files.shard_file_names(len(shards))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _remove_earlier_save(out)
+    fetch = _LastLayer(flat)
     for shard, file in zip(shards, files):
-        hf_files.write_shard(out / file, {name: _hf_tensor(flat, *tensors[name]) for name in shard})
+        hf_files.write_shard(out / file, {name: _hf_tensor(fetch, *tensors[name]) for name in shard})
     if len(shards) > 1:
         hf_files.write_index(out, {name: file for shard, file in zip(shards, files) for name in shard},
                              sum(sizes.values()))
@@ -95,8 +99,12 @@ def save_hf(params: dict, spec, out_dir, max_shard_bytes: int = DEFAULT_SHARD_BY
 
 
 def _read_param(reader, names, row: Row, shape, start, stop, layer: int | None):
-    """One parameter (its layer `layer` when stacked) from the checkpoint, in our shape, float32."""
-    return to_ours(reader.read(names[row, layer], row.out_axis, start, stop), row, shape)
+    """One parameter (its layer `layer` when stacked) from the checkpoint, in our shape, float32:
+    an experts row's from one HF tensor per expert."""
+    if not row.experts:
+        return to_ours(reader.read(names[row, layer], row.out_axis, start, stop), row, shape)
+    return np.stack([to_ours(reader.read(name, row.out_axis, start, stop), row, shape[1:])
+                     for name in names[row, layer]])
 
 
 def _param_shapes(spec) -> dict[str, tuple[int, ...]]:
@@ -109,8 +117,14 @@ def _per_layer(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]
     return {path: shape[1:] if path.startswith("layers/") else shape for path, shape in shapes.items()}
 
 
-def _layers(row: Row, num_layers: int) -> range | tuple[None]:
-    return range(num_layers) if row.stacked else (None,)
+def _layers(row: Row, shapes: dict[str, tuple[int, ...]]) -> range | tuple[None]:
+    """Our slices of the row's parameter: each layer of its stack, or None when unstacked."""
+    return range(shapes[row.ours[0]][0]) if row.stacked else (None,)
+
+
+def _experts(row: Row, shapes: dict[str, tuple[int, ...]]) -> range | tuple[None]:
+    """The experts of an experts row (one HF tensor each), or None for a row of one tensor a layer."""
+    return range(shapes[row.ours[0]][1]) if row.experts else (None,)
 
 
 def _part_ranges(row: Row, layer_shapes) -> list[tuple[int | None, int | None]]:
@@ -123,18 +137,22 @@ def _part_ranges(row: Row, layer_shapes) -> list[tuple[int | None, int | None]]:
     return list(zip(ends[:-1], ends[1:]))
 
 
-def _checkpoint_names(reader, rows, spec, layer_shapes) -> dict[tuple[Row, int | None], str]:
-    """(row, layer) -> the checkpoint's tensor name, after checking each shape and that nothing is left over."""
-    names = {}
+def _checkpoint_names(reader, rows, spec, shapes) -> dict[tuple[Row, int | None], str | tuple[str, ...]]:
+    """(row, layer) -> the checkpoint's tensor name (an experts row: one a expert), after checking
+    each shape and that nothing is left over."""
+    names, layer_shapes = {}, _per_layer(shapes)
     for row in rows:
-        for layer in _layers(row, spec.num_layers):
-            name = _find(reader, hf_name(row, layer), BASE_PREFIX[spec.family])
-            expected = hf_shape(row, layer_shapes)
-            if reader.shape(name) != expected:
-                raise ConfigError("tensor", name, f"has shape {reader.shape(name)} but its config.json implies "
-                                                  f"{expected}; the checkpoint does not match its config")
-            names[row, layer] = name
-    _refuse_leftovers(set(reader.files) - set(names.values()), spec)
+        expected = hf_shape(row, layer_shapes)
+        for layer in _layers(row, shapes):
+            found = tuple(_find(reader, hf_name(row, layer, spec.moe.every_n_layers, expert), BASE_PREFIX[spec.family])
+                          for expert in _experts(row, shapes))
+            for name in found:
+                if reader.shape(name) != expected:
+                    raise ConfigError("tensor", name, f"has shape {reader.shape(name)} but its config.json implies "
+                                                      f"{expected}; the checkpoint does not match its config")
+            names[row, layer] = found if row.experts else found[0]
+    used = {name for found in names.values() for name in ((found,) if isinstance(found, str) else found)}
+    _refuse_leftovers(set(reader.files) - used, spec)
     return names
 
 
@@ -166,16 +184,31 @@ def _check_tree(flat: dict, spec) -> None:
             raise ValueError(f"params[{path!r}] has shape {got} but the model of `spec` has {expected.get(path)}")
 
 
-def _export_order(rows, num_layers: int) -> dict[str, tuple[Row, int | None]]:
-    """HF name -> (row, layer): unstacked tensors first, then layer by layer, so shards follow depth."""
-    order = [(row, None) for row in rows if not row.stacked]
-    order += [(row, layer) for layer in range(num_layers) for row in rows if row.stacked]
-    return {hf_name(row, layer): (row, layer) for row, layer in order}
+def _export_order(rows, shapes: dict[str, tuple[int, ...]], every_n: int) -> dict[str, tuple]:
+    """HF name -> (row, our layer, expert): unstacked tensors first, then HF's layers in order, so
+    shards follow depth."""
+    order = [(row, layer, expert) for row in rows for layer in _layers(row, shapes) for expert in _experts(row, shapes)]
+    order.sort(key=lambda item: -1 if item[1] is None else hf_layer(item[0], item[1], every_n))
+    return {hf_name(row, layer, every_n, expert): (row, layer, expert) for row, layer, expert in order}
 
 
-def _hf_tensor(flat: dict, row: Row, layer: int | None):
-    """The row's HF tensor for `layer`, fetched one parameter slice at a time (fused parts concatenated)."""
-    parts = [to_hf(stacked.fetch(flat[path], layer), row) for path in row.ours]
+class _LastLayer:
+    """stacked.fetch of one parameter slice, keeping the last one fetched: a layer's experts are
+    written one tensor each from one fetch."""
+
+    def __init__(self, flat: dict):
+        self.flat, self.key, self.value = flat, None, None
+
+    def __call__(self, path: str, layer: int | None) -> np.ndarray:
+        if self.key != (path, layer):
+            self.key, self.value = (path, layer), stacked.fetch(self.flat[path], layer)
+        return self.value
+
+
+def _hf_tensor(fetch: _LastLayer, row: Row, layer: int | None, expert: int | None):
+    """The row's HF tensor for `layer` (and `expert`), fetched one parameter slice at a time
+    (fused parts concatenated)."""
+    parts = [to_hf(fetch(path, layer) if expert is None else fetch(path, layer)[expert], row) for path in row.ours]
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=row.out_axis)
 
 

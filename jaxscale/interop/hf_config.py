@@ -41,6 +41,16 @@ LLAMA_LIKE = {"llama": ("LlamaForCausalLM", dict(attention_bias=False, mlp_bias=
               "qwen2": ("Qwen2ForCausalLM", dict(use_sliding_window=False, sliding_window=None)),
               "qwen3": ("Qwen3ForCausalLM", dict(use_sliding_window=False, sliding_window=None, attention_bias=False))}
 
+# Mixtures of experts: model_type (jaxscale's family) -> (transformers' class, config.json's expert count
+# (transformers 5 writes Qwen3-MoE's as num_local_experts, 4.x and the released checkpoints num_experts;
+# both read either), the dense relative whose fields and checks its attention and norms take).
+MOE = {"mixtral": ("MixtralForCausalLM", "num_local_experts", "mistral"),
+       "qwen3_moe": ("Qwen3MoeForCausalLM", "num_experts", "qwen3")}
+# The model.moe.* fields a Hugging Face checkpoint decides (the others only shape training).
+MOE_FIELDS = ("num_experts", "top_k", "d_ff", "every_n_layers", "renormalize")
+# Windowed families: the sliding_window their config class defaults to.
+WINDOWED = {"mistral": 4096, "mixtral": None}
+
 # Gemma's families: jaxscale's name -> (HF's model_type, transformers' class, the period of HF's default layer_types).
 GEMMA = {"gemma2": ("gemma2", "Gemma2ForCausalLM", "LG"), "gemma3": ("gemma3_text", "Gemma3ForCausalLM", "LLLLLG")}
 MODEL_TYPES = {model_type: family for family, (model_type, _, _) in GEMMA.items()}
@@ -67,6 +77,17 @@ SUPPORTED = {
         "use_sliding_window": ((False,), False, "jaxscale reads Qwen's windows on no layers only "
                                                 "(they depend on max_window_layers)"),
         "attention_bias": ((False,), False, "jaxscale's qwen3 attention has no biases"),
+    },
+    "mixtral": {
+        "hidden_act": (("silu",), "silu", "jaxscale's mixtral experts are SwiGLU with silu"),
+        "router_jitter_noise": ((0, 0.0), 0.0, "jaxscale's router adds no noise to its inputs"),
+    },
+    "qwen3_moe": {
+        "hidden_act": (("silu",), "silu", "jaxscale's qwen3_moe MLPs are SwiGLU with silu"),
+        "use_sliding_window": ((False,), False, "jaxscale reads Qwen's windows on no layers only "
+                                                "(they depend on max_window_layers)"),
+        "attention_bias": ((False,), False, "jaxscale's qwen3_moe attention has no biases"),
+        "mlp_only_layers": (([],), [], "jaxscale places MoE layers every decoder_sparse_step layers only"),
     },
     **{family: {
         "hidden_activation": (("gelu_pytorch_tanh",), "gelu_pytorch_tanh",
@@ -102,12 +123,14 @@ def model_config_from_hf(hf_dir) -> dict:
     family = hf.get("model_type")
     if family in LLAMA_LIKE:
         return _from_llama(hf, family)
+    if family in MOE:
+        return _from_moe(hf, family)
     if family in MODEL_TYPES:
         return _from_gemma(hf, MODEL_TYPES[family])
     if family == "gpt2":
         return _from_gpt2(hf)
     raise ConfigError("model_type", family, "jaxscale imports Hugging Face models of type "
-                      f"{', '.join(map(repr, [*LLAMA_LIKE, *MODEL_TYPES, 'gpt2']))} only, and the text "
+                      f"{', '.join(map(repr, [*LLAMA_LIKE, *MOE, *MODEL_TYPES, 'gpt2']))} only, and the text "
                       f"model of {', '.join(map(repr, MULTIMODAL))}")
 
 
@@ -162,8 +185,25 @@ def _from_llama(hf: dict, family: str) -> dict:
                    f"jaxscale reads {family}'s sliding windows from sliding_window only")
     fields = _shape(hf, family, tied_by_default=False)
     fields["rope_theta"], fields["rope_scaling"] = _rope(hf)
-    window = hf.get("sliding_window", 4096) if family == "mistral" else None  # MistralConfig's default: 4096
+    window = hf.get("sliding_window", WINDOWED[family]) if family in WINDOWED else None
     return {**fields, **(dict(layer_pattern="L", sliding_window=int(window)) if window else {})}
+
+
+def _from_moe(hf: dict, family: str) -> dict:
+    """Mixtral and Qwen3-MoE: their dense relative's attention and norms, an MoE MLP every
+    decoder_sparse_step layers (Mixtral: every layer) of softmax top-k experts, dropless (as
+    transformers computes them). The load-balancing loss takes router_aux_loss_coef, no z-loss."""
+    fields = _from_llama(hf, family)
+    renormalize = bool(hf.get("norm_topk_prob", True)) if family == "qwen3_moe" else True
+    top_k = hf["num_experts_per_tok"]
+    _refuse_unless(top_k > 1 or not renormalize, "num_experts_per_tok", top_k,
+                   "jaxscale weighs a lone expert by its probability, not 1: import a top-1 model with "
+                   "norm_topk_prob=false")
+    moe = dict(num_experts=hf.get(MOE[family][1]) or hf["num_local_experts"], top_k=top_k, renormalize=renormalize,
+               capacity_factor=0.0, d_ff=hf.get("moe_intermediate_size", hf["intermediate_size"]),
+               every_n_layers=hf.get("decoder_sparse_step", 1), num_shared=0,
+               aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)), z_loss_weight=0.0)
+    return {**fields, "moe": moe}
 
 
 def _layer_pattern(hf: dict, default_period: str) -> str:
@@ -231,9 +271,10 @@ def _refuse_other_structure(spec) -> None:
 
 def hf_config_from_spec(spec) -> dict:
     """A config.json dict (its family's transformers config) describing the model `spec` builds."""
-    _refuse_unless(not spec.moe.num_experts, "model.moe.num_experts", spec.moe.num_experts,
-                   "Hugging Face export covers dense models; "
-                   "a mixture-of-experts checkpoint stays in jaxscale's format")
+    experts = bool(spec.moe.num_experts)
+    _refuse_unless(experts == (spec.family in MOE), "model.moe.num_experts", spec.moe.num_experts,
+                   f"Hugging Face's mixtures of experts are {', '.join(MOE)}; its {spec.family} has "
+                   f"{'experts' if spec.family in MOE else 'no experts'}")
     _refuse_other_structure(spec)
     if spec.family == "gpt2":
         _refuse_gemma_options(spec)
@@ -253,13 +294,37 @@ def hf_config_from_spec(spec) -> dict:
     if spec.family in GEMMA:
         return {**common, **_gemma_fields(spec)}
     _refuse_gemma_options(spec)
-    pattern = period(spec.layer_pattern)
-    _refuse_unless(pattern == "G" or (spec.family == "mistral" and pattern == "L"), "model.layer_pattern",
+    pattern, windowed = period(spec.layer_pattern), spec.family in WINDOWED
+    _refuse_unless(pattern == "G" or (windowed and pattern == "L"), "model.layer_pattern",
                    spec.layer_pattern, f"Hugging Face's {spec.family} has no sliding-window layers"
-                   f"{' but on every layer (L)' if spec.family == 'mistral' else ''}")
-    architecture, fields = LLAMA_LIKE[spec.family]
-    window = dict(sliding_window=spec.sliding_window if pattern == "L" else None) if spec.family == "mistral" else {}
-    return dict(model_type=spec.family, architectures=[architecture], hidden_act="silu", **common, **fields, **window)
+                   f"{' but on every layer (L)' if windowed else ''}")
+    architecture, fields = _moe_fields(spec) if experts else LLAMA_LIKE[spec.family]
+    window = dict(sliding_window=spec.sliding_window if pattern == "L" else None) if windowed else {}
+    return {"model_type": spec.family, "architectures": [architecture], "hidden_act": "silu", **common, **fields,
+            **window}
+
+
+def _moe_fields(spec) -> tuple[str, dict]:
+    """(transformers' class, config.json's expert fields) of a Mixtral or Qwen3-MoE `spec`: a
+    softmax router without shared experts; Mixtral's in every layer, renormalising its top-k."""
+    m = spec.moe
+    for field, plain, why in (("num_shared", 0, "shared experts"), ("score", "softmax", "sigmoid scores"),
+                              ("expert_groups", 1, "group-limited routing"), ("routed_scale", 1.0, "scaled weights")):
+        _refuse_unless(getattr(m, field) == plain, f"model.moe.{field}", getattr(m, field),
+                       f"Hugging Face's {spec.family} has no {why}; set it to {plain!r}")
+    architecture, count, _ = MOE[spec.family]
+    fields = {count: m.num_experts, "num_experts_per_tok": m.top_k, "router_aux_loss_coef": m.aux_loss_weight,
+              "output_router_logits": False}
+    if spec.family == "qwen3_moe":  # a lone expert weighs its probability here: HF's without renormalising
+        return architecture, {**fields, "decoder_sparse_step": m.every_n_layers, "mlp_only_layers": [],
+                              "moe_intermediate_size": m.d_ff or spec.d_ff,
+                              "norm_topk_prob": m.renormalize and m.top_k > 1, "attention_bias": False,
+                              "use_sliding_window": False, "sliding_window": None}
+    _refuse_unless(m.every_n_layers == 1, "model.moe.every_n_layers", m.every_n_layers,
+                   "Hugging Face's Mixtral has experts in every layer; set it to 1")
+    _refuse_unless(m.renormalize and m.top_k > 1, "model.moe.renormalize", m.renormalize,
+                   "Hugging Face's Mixtral renormalises its top-k (k > 1) weights; set it to True and top_k >= 2")
+    return architecture, {**fields, "intermediate_size": m.d_ff or spec.d_ff, "router_jitter_noise": 0.0}
 
 
 def _refuse_gemma_options(spec) -> None:
@@ -320,4 +385,10 @@ def check_spec_matches(spec, hf_dir) -> None:
         if field not in skip and ours != theirs:
             fix = f"the Hugging Face checkpoint in {hf_dir} has {hf[field]!r}; set model.{field}={hf[field]!r}"
             raise ConfigError(f"model.{field}", getattr(spec, field), fix)
+    theirs = hf.get("moe", {"num_experts": 0})
+    for field in theirs.keys() & set(MOE_FIELDS):
+        ours = getattr(spec.moe, field) or (spec.d_ff if field == "d_ff" else 0)
+        if ours != theirs[field]:
+            raise ConfigError(f"model.moe.{field}", getattr(spec.moe, field), f"the Hugging Face checkpoint in "
+                              f"{hf_dir} has {theirs[field]!r}; set model.moe.{field}={theirs[field]!r}")
     _refuse_other_structure(spec)

@@ -19,7 +19,7 @@ VECTOR = "vector"  # a bias or norm scale stored flat: ours reshaped
 # HF's causal-LM classes keep the base model under this attribute; a checkpoint saved from the
 # base model (GPT2Model, as on the original GPT-2 uploads) has the same names without it.
 BASE_PREFIX = {"llama": "model.", "gpt2": "transformer.", "mistral": "model.", "qwen2": "model.", "qwen3": "model.",
-               "gemma2": "model.", "gemma3": "model."}
+               "gemma2": "model.", "gemma3": "model.", "mixtral": "model.", "qwen3_moe": "model."}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,9 +29,10 @@ class Row:
     `in_dims` is how many leading dimensions of our per-layer shape form HF's input axis."""
 
     ours: tuple[str, ...]
-    hf: str  # "{i}" stands for the layer index in names of stacked parameters
+    hf: str  # "{i}" stands for the layer index in names of stacked parameters, "{e}" for the expert
     kind: str
     in_dims: int = 1
+    experts: bool = False  # one HF tensor per expert ("{e}"): ours stacks them on its first per-layer axis
 
     @property
     def stacked(self) -> bool:
@@ -45,6 +46,26 @@ class Row:
 
 def _rows(*rows) -> tuple[Row, ...]:
     return tuple(Row((ours,) if isinstance(ours, str) else ours, hf, kind, *rest) for ours, hf, kind, *rest in rows)
+
+
+def _in_stack(row: Row, stack: str) -> Row:
+    """The row for a mixture-of-experts model's stack `stack` ("dense", "moe"): layers/x -> layers/STACK/x."""
+    return dataclasses.replace(row, ours=tuple(path.replace("layers/", f"layers/{stack}/", 1) for path in row.ours))
+
+
+def _moe_table(dense: tuple[Row, ...], router: str, experts: str, names: dict[str, str]) -> tuple[Row, ...]:
+    """A mixture-of-experts family's rows: its dense relative's rows for the dense layers
+    (layers/dense/...) and the MoE layers' attention and norms (layers/moe/...), then the MoE
+    layers' router (HF `router`) and experts (HF `experts`.{e}.NAME for each of ours in `names`)."""
+    rows = [row for row in dense if not row.stacked]
+    for row in (row for row in dense if row.stacked):
+        rows.append(_in_stack(row, "dense"))
+        if not row.ours[0].startswith("layers/mlp/"):
+            rows.append(_in_stack(row, "moe"))
+    rows += _rows(("layers/moe/mlp/router", router, LINEAR),
+                  *((f"layers/moe/mlp/{ours}", f"{experts}.{{e}}.{theirs}.weight", LINEAR, 1, True)
+                    for ours, theirs in names.items()))
+    return tuple(rows)
 
 
 _QKV = ("layers/attn/wq", "layers/attn/wk", "layers/attn/wv")
@@ -80,6 +101,10 @@ TABLES: dict[str, tuple[Row, ...]] = {
     "qwen3": _LLAMA + _QK_NORMS,
     "gemma2": _GEMMA,
     "gemma3": _GEMMA + _QK_NORMS,
+    "mixtral": _moe_table(_LLAMA, "model.layers.{i}.block_sparse_moe.gate.weight",
+                          "model.layers.{i}.block_sparse_moe.experts", {"w_gate": "w1", "w_down": "w2", "w_up": "w3"}),
+    "qwen3_moe": _moe_table(_LLAMA + _QK_NORMS, "model.layers.{i}.mlp.gate.weight", "model.layers.{i}.mlp.experts",
+                            {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}),
     "gpt2": _rows(
         ("embed", "transformer.wte.weight", MATRIX),
         ("pos_embed", "transformer.wpe.weight", MATRIX),
@@ -117,8 +142,20 @@ def rows_for(family: str, paths: set[str]) -> tuple[Row, ...]:
     return tuple(row for row in TABLES[family] if row.ours[0] in paths)
 
 
-def hf_name(row: Row, layer: int | None) -> str:
-    return row.hf.format(i=layer) if row.stacked else row.hf
+def hf_layer(row: Row, index: int, every_n: int = 1) -> int:
+    """HF's layer number of slice `index` of the row's stacked parameter. A mixture-of-experts
+    model (every_n = model.moe.every_n_layers) stacks its MoE layers n-1, 2n-1, ... (from 0) in
+    layers/moe and the others in order in layers/dense."""
+    if row.ours[0].startswith("layers/moe/"):
+        return index * every_n + every_n - 1
+    if row.ours[0].startswith("layers/dense/"):
+        return index // (every_n - 1) * every_n + index % (every_n - 1)
+    return index
+
+
+def hf_name(row: Row, layer: int | None, every_n: int = 1, expert: int | None = None) -> str:
+    """The HF tensor of the row for our stacked slice `layer` (and `expert` of an experts row)."""
+    return row.hf.format(i=hf_layer(row, layer, every_n), e=expert) if row.stacked else row.hf
 
 
 def to_ours(hf_part: np.ndarray, row: Row, shape: tuple[int, ...]) -> np.ndarray:
@@ -140,10 +177,15 @@ def to_hf(ours: np.ndarray, row: Row) -> np.ndarray:
     return np.ascontiguousarray(matrix.T if row.kind == LINEAR else matrix)
 
 
+def tensor_shape(row: Row, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The part of our per-layer `shape` one HF tensor of the row holds: one expert's of an experts row."""
+    return shape[1:] if row.experts else shape
+
+
 def hf_part_sizes(row: Row, shapes: dict[str, tuple[int, ...]]) -> list[int]:
     """Length along HF's output axis of each part of the row (`shapes`: per-layer shapes of ours)."""
     in_dims = 0 if row.kind == VECTOR else row.in_dims
-    return [math.prod(shapes[path][in_dims:]) for path in row.ours]
+    return [math.prod(tensor_shape(row, shapes[path])[in_dims:]) for path in row.ours]
 
 
 def hf_shape(row: Row, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
@@ -151,5 +193,5 @@ def hf_shape(row: Row, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
     out = sum(hf_part_sizes(row, shapes))
     if row.kind == VECTOR:
         return (out,)
-    fan_in = math.prod(shapes[row.ours[0]][:row.in_dims])
+    fan_in = math.prod(tensor_shape(row, shapes[row.ours[0]])[:row.in_dims])
     return (out, fan_in) if row.kind == LINEAR else (fan_in, out)

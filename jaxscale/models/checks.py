@@ -16,6 +16,7 @@ from jaxscale.names import (
     PROJECTIONS,
     REMAT_POLICIES,
     ROPE_SCALINGS,
+    ROUTER_SCORES,
     split_ways,
 )
 
@@ -132,3 +133,17 @@ def _check_router(m, num_layers: int) -> None:
     require(m.num_shared >= 0, "model.moe.num_shared", m.num_shared, "must be >= 0 (0 = no shared experts)")
     for key in ("aux_loss_weight", "z_loss_weight", "bias_rate"):
         require(m[key] >= 0, f"model.moe.{key}", m[key], "must be >= 0")
+    require_choice("model.moe.score", m.score, ROUTER_SCORES)
+    groups = m.expert_groups
+    require(groups >= 1 and m.num_experts % groups == 0, "model.moe.expert_groups", groups,
+            f"must be >= 1 and divide model.moe.num_experts={m.num_experts} (1 = no groups)")
+    require(groups == 1 or m.num_experts // groups >= 2, "model.moe.expert_groups", groups,
+            f"a group is scored by its 2 best experts; use at most {m.num_experts // 2} groups of "
+            f"model.moe.num_experts={m.num_experts}, or 1")
+    require(1 <= m.top_groups <= groups, "model.moe.top_groups", m.top_groups,
+            f"must be between 1 and model.moe.expert_groups={groups}")
+    allowed = m.top_groups * (m.num_experts // groups)
+    require(m.top_k <= allowed, "model.moe.top_k", m.top_k,
+            f"a token chooses among the experts of its model.moe.top_groups={m.top_groups} groups of "
+            f"{m.num_experts // groups}: at most {allowed}; raise top_groups or lower top_k")
+    require(m.routed_scale > 0, "model.moe.routed_scale", m.routed_scale, "must be > 0 (1 = the weights as routed)")

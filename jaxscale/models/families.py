@@ -45,6 +45,9 @@ FAMILIES: dict[str, Architecture] = {
     "qwen3": dataclasses.replace(LLAMA, qk_norm=True),
     "gemma2": GEMMA,
     "gemma3": dataclasses.replace(GEMMA, qk_norm=True),
+    # Mixtures of experts: the structure of their dense relatives; model.moe.* sets the experts.
+    "mixtral": LLAMA,
+    "qwen3_moe": dataclasses.replace(LLAMA, qk_norm=True),
 }
 assert tuple(FAMILIES) == FAMILY_NAMES, "names.FAMILIES lists the config's choices: keep it in step"
 

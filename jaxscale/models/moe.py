@@ -1,5 +1,5 @@
-"""Mixture-of-experts MLP: a top-k softmax router, expert capacity or dropless grouped matmuls,
-and expert parallelism.
+"""Mixture-of-experts MLP: a top-k router (softmax, or DeepSeek-V3's sigmoid with group-limited
+selection), expert capacity or dropless grouped matmuls, and expert parallelism.
 
 Routing groups are sequences: each row of the batch routes its own L tokens, and each expert
 takes at most C = min(L, ceil(capacity_factor * L * top_k / num_experts)) of a row's
@@ -10,7 +10,7 @@ assignments by expert and runs the experts as grouped matmuls (`lax.ragged_dot`)
 padded to a capacity; over `expert` the sorted rows travel to their experts' devices and back
 by ragged all-to-all (parallel.ragged). Balancing
 without an auxiliary loss (bias_rate > 0, DeepSeek-V3): a per-expert bias, added to the router's
-probabilities only to choose the experts, moves after each step towards an even load (`balance`).
+scores only to choose the experts, moves after each step towards an even load (`balance`).
 The load-balancing loss is computed per row and averaged over rows, so
 routing, drops and losses are the same however the batch is split over devices or microbatches.
 
@@ -39,8 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxscale.errors import require_choice
 from jaxscale.models.layers import MLP, MLPS, MLPKind, normal, zeros
 from jaxscale.models.strategy import Strategy
+from jaxscale.names import ROUTER_SCORES
 from jaxscale.parallel import context, fsdp, ragged
 from jaxscale.sharding import constrain, entries, manual_here, to_spec
 
@@ -71,6 +73,16 @@ class MoESpec:
     bias_rate: float = 0.0      # auxiliary-loss-free balancing: the selection bias's step per update
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
+    score: str = "softmax"      # softmax | sigmoid (DeepSeek-V3: each logit on its own), in float32
+    renormalize: bool = True    # top_k > 1: the chosen scores divided by their sum (HF's norm_topk_prob)
+    expert_groups: int = 1      # DeepSeek's group-limited routing (HF n_group): consecutive groups of experts
+    top_groups: int = 1         # ... of which a token may choose only in its top_groups best (HF topk_group)
+    routed_scale: float = 1.0   # combine weights x this (HF routed_scaling_factor; DeepSeek-V3: 2.5)
+
+    def router(self) -> dict:
+        """`route`'s scoring and selection options."""
+        return dict(score=self.score, renormalize=self.renormalize, expert_groups=self.expert_groups,
+                    top_groups=self.top_groups, routed_scale=self.routed_scale)
 
 
 def capacity(length: int, spec: MoESpec) -> int:
@@ -89,32 +101,55 @@ class Routing(NamedTuple):
     weights: jax.Array    # float32 [B, L, k]: combine weights, 0 where dropped
     keep: jax.Array       # bool [B, L, k]: the assignment fits within capacity
     counts: jax.Array     # int32 [B, X]: assignments per expert and row, before dropping
-    aux_loss: jax.Array   # load balancing: mean over rows of X * sum_e fraction_e * mean_prob_e
+    aux_loss: jax.Array   # load balancing: mean over rows of X * sum_e fraction_e * mean_score_e
     z_loss: jax.Array     # mean over tokens of logsumexp(logits)^2
     dropped: jax.Array    # fraction of assignments dropped
 
 
 def route(logits_BLX, top_k: int, capacity_per_row: int, order: np.ndarray | None = None,
-          bias_X=None) -> Routing:
-    """Top-k softmax routing with per-row capacity, in float32. Queues fill in token order: with
-    the tokens laid out in another (`order`: place i holds token order[i], the zig-zag layout of
+          bias_X=None, *, score: str = "softmax", renormalize: bool = True, expert_groups: int = 1,
+          top_groups: int = 1, routed_scale: float = 1.0) -> Routing:
+    """Top-k routing with per-row capacity, in float32. Queues fill in token order: with the
+    tokens laid out in another (`order`: place i holds token order[i], the zig-zag layout of
     context parallelism), places are counted in token order all the same, so the same tokens are
     dropped in any layout.
 
-    Combine weights are the chosen experts' probabilities, renormalised to sum to 1 when
-    top_k > 1 (GShard, Mixtral); with top_k = 1 the raw probability (Switch), so the router
-    still learns from the main loss. `bias_X` (auxiliary-loss-free balancing, DeepSeek-V3) is
-    added to the probabilities to choose the experts only: the weights stay the probabilities.
+    Scores: softmax over the experts, or (`score`="sigmoid", DeepSeek-V3) the sigmoid of each
+    logit on its own. Selection scores are the scores plus `bias_X` (auxiliary-loss-free
+    balancing, DeepSeek-V3; no gradient flows through it), which only chooses the experts. With
+    `expert_groups` G > 1 (DeepSeek's group-limited routing, HF n_group/topk_group) the experts
+    form G consecutive groups of equal size, each group scores the sum of its two best selection
+    scores, and a token chooses only among the experts of its `top_groups` best groups. Combine
+    weights are the chosen experts' (un-biased) scores, divided by their sum when top_k > 1 and
+    `renormalize` (GShard, Mixtral; HF norm_topk_prob); with top_k = 1 the raw score (Switch), so
+    the router still learns from the main loss; then times `routed_scale` (HF
+    routed_scaling_factor). Experts are chosen by argmaxes, ties to the lower index.
+
+    The load-balancing loss is X * sum_e fraction_e * mean_score_e per row, where mean_score_e
+    is the mean over the row's tokens of the softmax probability, or, with sigmoid scores, of
+    the scores normalised to sum to 1 per token (DeepSeek-V3's sequence-wise balance loss). The
+    z-loss is the mean of logsumexp(logits)^2 either way.
     """
     logits = logits_BLX.astype(jnp.float32)
     B, L, X = logits.shape
-    probs = jax.nn.softmax(logits, axis=-1)
-    if bias_X is None:
-        top_p, experts = _top_k(probs, top_k)
+    require_choice("model.moe.score", score, ROUTER_SCORES)
+    if score == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        mean_of = scores / scores.sum(-1, keepdims=True)  # what the balancing loss averages
     else:
-        _, experts = _top_k(probs + jax.lax.stop_gradient(bias_X.astype(jnp.float32)), top_k)
-        top_p = jnp.take_along_axis(probs, experts, axis=-1)
-    gates = top_p / top_p.sum(-1, keepdims=True) if top_k > 1 else top_p
+        scores = mean_of = jax.nn.softmax(logits, axis=-1)
+    limited = top_groups < expert_groups
+    if bias_X is None and not limited:
+        top_p, experts = _top_k(scores, top_k)
+    else:
+        choice = scores if bias_X is None else scores + jax.lax.stop_gradient(bias_X.astype(jnp.float32))
+        if limited:
+            choice = _limit_groups(choice, expert_groups, top_groups)
+        _, experts = _top_k(choice, top_k)
+        top_p = jnp.take_along_axis(scores, experts, axis=-1)
+    gates = top_p / top_p.sum(-1, keepdims=True) if top_k > 1 and renormalize else top_p
+    if routed_scale != 1.0:
+        gates = gates * routed_scale
     chosen = jax.nn.one_hot(experts, X, dtype=jnp.int32)                  # [B, L, k, X]
     in_order = chosen if order is None else chosen[:, np.argsort(order)]
     queue = in_order.swapaxes(1, 2).reshape(B, top_k * L, X)               # first choices first
@@ -123,10 +158,24 @@ def route(logits_BLX, top_k: int, capacity_per_row: int, order: np.ndarray | Non
     positions = positions if order is None else positions[:, order]
     keep = positions < capacity_per_row
     counts = chosen.sum((1, 2))
-    fraction, mean_prob = counts / (L * top_k), probs.mean(1)             # [B, X] each
-    aux = (X * (fraction * mean_prob).sum(-1)).mean()
+    fraction, mean_score = counts / (L * top_k), mean_of.mean(1)          # [B, X] each
+    aux = (X * (fraction * mean_score).sum(-1)).mean()
     z = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
     return Routing(experts, positions, gates * keep, keep, counts, aux, z, jnp.mean(~keep, dtype=jnp.float32))
+
+
+def _limit_groups(choice_BLX, groups: int, top: int):
+    """Group-limited selection (DeepSeek-V3): the selection scores of the experts outside each
+    token's `top` best of `groups` consecutive groups set to -inf. A group's score is the sum of
+    its two best selection scores (whichever of tied ones is masked, the sum is the same); the
+    groups are chosen by argmaxes (ties: the lower group), as the experts are (`_top_k`)."""
+    B, L, X = choice_BLX.shape
+    grouped = choice_BLX.reshape(B, L, groups, X // groups)
+    best = jax.nn.one_hot(jnp.argmax(grouped, axis=-1), X // groups, dtype=bool)
+    first, second = grouped.max(-1), jnp.where(best, -jnp.inf, grouped).max(-1)
+    _, picked = _top_k(first + second, top)                                # [B, L, top]
+    allowed = jax.nn.one_hot(picked, groups, dtype=bool).any(-2)           # [B, L, groups]
+    return jnp.where(allowed[..., None], grouped, -jnp.inf).reshape(B, L, X)
 
 
 def _top_k(probs_BLX, k: int):
@@ -172,7 +221,7 @@ class MoE(nnx.Module):
         order = None if s.context == "none" else context.zigzag_order(length, s.mesh.shape[context.AXIS])
         bias = self.bias_balance[...] if self.spec.bias_rate else None
         routing = route(constrain(logits_BLX, s.layout, ("batch", "act_length", None)), self.spec.top_k,
-                        capacity(length, self.spec), order, bias)
+                        capacity(length, self.spec), order, bias, **self.spec.router())
         cap = 0 if self.spec.capacity_factor == 0 else capacity(length, self.spec)
         out_BLD = dispatch_combine(x_BLD, routing, self.experts(), self.spec.num_experts, cap, self.kind,
                                    self.strategy)

@@ -75,7 +75,7 @@ class ModelSpec:
     fp8: bool = False                 # the layers' projections in fp8 (models.fp8)
     attention_impl: str = "xla"       # a concrete kernel: xla | cudnn | splash (see models.attention.resolve_impl)
     attention_block: int = 512        # the blockwise kernel's tile edge (model.attention.block_size)
-    moe: MoESpec = MoESpec()          # mixture of experts (moe.num_experts 0: every MLP dense)
+    moe: MoESpec = MoESpec()          # mixture of experts (moe.num_experts 0: every MLP dense); a dict is taken too
     strategy: Strategy = Strategy()   # how the forward splits over devices (default: one program)
     weights: fsdp.Weights = fsdp.Weights()  # compute and gradient-reduction dtypes of the weights
 
@@ -97,6 +97,8 @@ class ModelSpec:
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # as model_config_from_hf gives it
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+        if isinstance(self.moe, dict):  # as model_config_from_hf gives a mixture of experts' fields
+            object.__setattr__(self, "moe", MoESpec(**self.moe))
         if self.architecture is not None:
             check(self.architecture)
 
