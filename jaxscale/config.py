@@ -70,10 +70,11 @@ def _add_model(c: ml_collections.ConfigDict) -> None:
         ),
         moe=dict(                      # mixture of experts; its experts are split over mesh.expert
             num_experts=0,             # experts per MoE layer; 0 = a dense model
-            top_k=2,                   # experts each token goes to (softmax router, float32)
+            top_k=2,                   # experts each token goes to (the router scores in float32)
             capacity_factor=1.25,      # per sequence of L tokens each expert takes
                                        # min(L, ceil(factor * L * top_k / num_experts)); the rest is dropped;
-                                       # 0 = dropless (grouped matmuls, nothing padded; mesh.expert=1)
+                                       # 0 = dropless (grouped matmuls, nothing padded; over mesh.expert
+                                       # by ragged all-to-all)
             every_n_layers=1,          # layers n, 2n, ... (from 1) are MoE, the others dense
             d_ff=0,                    # expert hidden size; 0 = model.d_ff
             num_shared=0,              # shared experts every token also goes through (DeepSeek-MoE):
