@@ -102,7 +102,7 @@ def _read_param(reader, names, row: Row, shape, start, stop, layer: int | None):
     """One parameter (its layer `layer` when stacked) from the checkpoint, in our shape, float32:
     an experts row's from one HF tensor per expert."""
     if not row.experts:
-        return to_ours(reader.read(names[row, layer], row.out_axis, start, stop), row, shape)
+        return to_ours(reader.read(names[row, layer][0], row.out_axis, start, stop), row, shape)
     return np.stack([to_ours(reader.read(name, row.out_axis, start, stop), row, shape[1:])
                      for name in names[row, layer]])
 
@@ -137,9 +137,9 @@ def _part_ranges(row: Row, layer_shapes) -> list[tuple[int | None, int | None]]:
     return list(zip(ends[:-1], ends[1:]))
 
 
-def _checkpoint_names(reader, rows, spec, shapes) -> dict[tuple[Row, int | None], str | tuple[str, ...]]:
-    """(row, layer) -> the checkpoint's tensor name (an experts row: one a expert), after checking
-    each shape and that nothing is left over."""
+def _checkpoint_names(reader, rows, spec, shapes) -> dict[tuple[Row, int | None], tuple[str, ...]]:
+    """(row, layer) -> the checkpoint's tensor names (one; an experts row's one an expert), after
+    checking each shape and that nothing is left over."""
     names, layer_shapes = {}, _per_layer(shapes)
     for row in rows:
         expected = hf_shape(row, layer_shapes)
@@ -150,9 +150,8 @@ def _checkpoint_names(reader, rows, spec, shapes) -> dict[tuple[Row, int | None]
                 if reader.shape(name) != expected:
                     raise ConfigError("tensor", name, f"has shape {reader.shape(name)} but its config.json implies "
                                                       f"{expected}; the checkpoint does not match its config")
-            names[row, layer] = found if row.experts else found[0]
-    used = {name for found in names.values() for name in ((found,) if isinstance(found, str) else found)}
-    _refuse_leftovers(set(reader.files) - used, spec)
+            names[row, layer] = found
+    _refuse_leftovers(set(reader.files) - {name for found in names.values() for name in found}, spec)
     return names
 
 

@@ -78,17 +78,6 @@ SUPPORTED = {
                                                 "(they depend on max_window_layers)"),
         "attention_bias": ((False,), False, "jaxscale's qwen3 attention has no biases"),
     },
-    "mixtral": {
-        "hidden_act": (("silu",), "silu", "jaxscale's mixtral experts are SwiGLU with silu"),
-        "router_jitter_noise": ((0, 0.0), 0.0, "jaxscale's router adds no noise to its inputs"),
-    },
-    "qwen3_moe": {
-        "hidden_act": (("silu",), "silu", "jaxscale's qwen3_moe MLPs are SwiGLU with silu"),
-        "use_sliding_window": ((False,), False, "jaxscale reads Qwen's windows on no layers only "
-                                                "(they depend on max_window_layers)"),
-        "attention_bias": ((False,), False, "jaxscale's qwen3_moe attention has no biases"),
-        "mlp_only_layers": (([],), [], "jaxscale places MoE layers every decoder_sparse_step layers only"),
-    },
     **{family: {
         "hidden_activation": (("gelu_pytorch_tanh",), "gelu_pytorch_tanh",
                               f"jaxscale's {family} MLP is GeGLU with the tanh-approximated GELU"),
@@ -103,6 +92,12 @@ SUPPORTED = {
         "add_cross_attention": ((False,), False, "jaxscale's gpt2 is decoder-only"),
     },
 }
+
+# A mixture of experts is checked as its dense relative is, and for its router's settings.
+SUPPORTED["mixtral"] = {**SUPPORTED["mistral"],
+                        "router_jitter_noise": ((0, 0.0), 0.0, "jaxscale's router adds no noise to its inputs")}
+SUPPORTED["qwen3_moe"] = {**SUPPORTED["qwen3"], "mlp_only_layers": (([],), [], "jaxscale places MoE layers every "
+                                                                        "decoder_sparse_step layers only")}
 
 
 def read_hf_config(hf_dir) -> dict:
@@ -312,14 +307,13 @@ def _moe_fields(spec) -> tuple[str, dict]:
                               ("expert_groups", 1, "group-limited routing"), ("routed_scale", 1.0, "scaled weights")):
         _refuse_unless(getattr(m, field) == plain, f"model.moe.{field}", getattr(m, field),
                        f"Hugging Face's {spec.family} has no {why}; set it to {plain!r}")
-    architecture, count, _ = MOE[spec.family]
+    architecture, count, relative = MOE[spec.family]
     fields = {count: m.num_experts, "num_experts_per_tok": m.top_k, "router_aux_loss_coef": m.aux_loss_weight,
-              "output_router_logits": False}
+              "output_router_logits": False, **LLAMA_LIKE[relative][1]}
     if spec.family == "qwen3_moe":  # a lone expert weighs its probability here: HF's without renormalising
         return architecture, {**fields, "decoder_sparse_step": m.every_n_layers, "mlp_only_layers": [],
                               "moe_intermediate_size": m.d_ff or spec.d_ff,
-                              "norm_topk_prob": m.renormalize and m.top_k > 1, "attention_bias": False,
-                              "use_sliding_window": False, "sliding_window": None}
+                              "norm_topk_prob": m.renormalize and m.top_k > 1}
     _refuse_unless(m.every_n_layers == 1, "model.moe.every_n_layers", m.every_n_layers,
                    "Hugging Face's Mixtral has experts in every layer; set it to 1")
     _refuse_unless(m.renormalize and m.top_k > 1, "model.moe.renormalize", m.renormalize,
@@ -386,8 +380,9 @@ def check_spec_matches(spec, hf_dir) -> None:
             fix = f"the Hugging Face checkpoint in {hf_dir} has {hf[field]!r}; set model.{field}={hf[field]!r}"
             raise ConfigError(f"model.{field}", getattr(spec, field), fix)
     theirs = hf.get("moe", {"num_experts": 0})
-    for field in theirs.keys() & set(MOE_FIELDS):
-        ours = getattr(spec.moe, field) or (spec.d_ff if field == "d_ff" else 0)
+    for field in (field for field in MOE_FIELDS if field in theirs):
+        ours = getattr(spec.moe, field)
+        ours = (ours or spec.d_ff) if field == "d_ff" else ours  # an expert's d_ff 0 is model.d_ff
         if ours != theirs[field]:
             raise ConfigError(f"model.moe.{field}", getattr(spec.moe, field), f"the Hugging Face checkpoint in "
                               f"{hf_dir} has {theirs[field]!r}; set model.moe.{field}={theirs[field]!r}")

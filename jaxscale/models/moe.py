@@ -39,10 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxscale.errors import require_choice
 from jaxscale.models.layers import MLP, MLPS, MLPKind, normal, zeros
 from jaxscale.models.strategy import Strategy
-from jaxscale.names import ROUTER_SCORES
 from jaxscale.parallel import context, fsdp, ragged
 from jaxscale.sharding import constrain, entries, manual_here, to_spec
 
@@ -132,7 +130,6 @@ def route(logits_BLX, top_k: int, capacity_per_row: int, order: np.ndarray | Non
     """
     logits = logits_BLX.astype(jnp.float32)
     B, L, X = logits.shape
-    require_choice("model.moe.score", score, ROUTER_SCORES)
     if score == "sigmoid":
         scores = jax.nn.sigmoid(logits)
         mean_of = scores / scores.sum(-1, keepdims=True)  # what the balancing loss averages
