@@ -213,27 +213,23 @@ class _Device:
         loss), the statistics' share of the objective differentiated with it. What a caller
         drops (B without W's grads, W's input grad) XLA removes."""
         c, m, x = a["chunk"], a["micro"], state.xs[a["x_slot"]]
+        g = state.gs[a["g_slot"]]
 
-        def at_last():
-            def objective(p, o, x):
-                y, (stats, extra) = self.stage(p, x, self.take(m))
-                loss = self.fns.head_loss(o, y, self.targets[m]).astype(jnp.float32)
-                return loss + extra, (loss, stats)
+        def objective(p, o, x):
+            """The chunk, then on the last chunk the head's loss, elsewhere <y, g>: its gradient
+            in y is the arrived g, so one vjp serves both and the program holds the chunk's
+            forward and backward once (a cond around two vjps held them twice)."""
+            y, (stats, extra) = self.stage(p, x, self.take(m))
+            loss = jax.lax.cond(a["last"] == 1,
+                                lambda: self.fns.head_loss(o, y, self.targets[m]).astype(jnp.float32),
+                                lambda: jnp.zeros((), jnp.float32))
+            passed = jax.lax.cond(a["last"] == 1, lambda: jnp.zeros((), jnp.float32),
+                                  lambda: jnp.sum(y.astype(jnp.float32) * g.astype(jnp.float32)))
+            return loss + passed + extra, (loss, stats)
 
-            _, vjp, (loss, stats) = jax.vjp(objective, self.chunk(c), self.outer, x, has_aux=True)
-            dp, do, dx = vjp(jnp.ones((), jnp.float32))
-            return dp, do, self.place(dx), loss, stats
-
-        def inside():
-            def out(p, x):
-                y, (stats, extra) = self.stage(p, x, self.take(m))
-                return (y, extra), stats
-
-            _, vjp, stats = jax.vjp(out, self.chunk(c), x, has_aux=True)
-            dp, dx = vjp((state.gs[a["g_slot"]], jnp.ones((), jnp.float32)))
-            return dp, self._no_outer(), self.place(dx), jnp.zeros((), jnp.float32), stats
-
-        return jax.lax.cond(a["last"] == 1, at_last, inside)
+        _, vjp, (loss, stats) = jax.vjp(objective, self.chunk(c), self.outer, x, has_aux=True)
+        dp, do, dx = vjp(jnp.ones((), jnp.float32))
+        return dp, do, self.place(dx), loss, stats
 
     def _into_embedding(self, a, dx):
         """The outer grads of the first chunk's input grad dx (the embedding's); zeros elsewhere."""
@@ -260,8 +256,10 @@ def _run_table(the_plan: _Plan, device: _Device, stages: int, split: bool):
     me = jax.lax.axis_index(AXIS)
     columns = {name: jnp.asarray(getattr(the_plan, name)) for name in
                ("kind", "micro", "chunk", "first", "last", "x_slot", "g_slot", "x_arrives", "g_arrives")}
+    # In the order of schedules.IDLE, F, B, W. A table without W actions compiles no W branch:
+    # each branch holds its chunk's forward and backward again (the program grows by a third).
     branches = [device.idle, device.forward, functools.partial(device.backward, with_weights=not split),
-                device.weight]  # in the order of schedules.IDLE, F, B, W
+                device.weight if split else device.idle]
     ahead = [(i, (i + 1) % stages) for i in range(stages)]
     behind = [((i + 1) % stages, i) for i in range(stages)]
 
