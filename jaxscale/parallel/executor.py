@@ -216,16 +216,20 @@ class _Device:
         g = state.gs[a["g_slot"]]
 
         def objective(p, o, x):
-            """The chunk, then on the last chunk the head's loss, elsewhere <y, g>: its gradient
-            in y is the arrived g, so one vjp serves both and the program holds the chunk's
-            forward and backward once (a cond around two vjps held them twice)."""
+            """The chunk, then on the last chunk the head's loss, elsewhere <y, g>, whose gradient
+            in y is the arrived g: one vjp serves every chunk, so the program holds the chunk's
+            forward and backward once. (objective, (loss, statistics))."""
             y, (stats, extra) = self.stage(p, x, self.take(m))
-            loss = jax.lax.cond(a["last"] == 1,
-                                lambda: self.fns.head_loss(o, y, self.targets[m]).astype(jnp.float32),
-                                lambda: jnp.zeros((), jnp.float32))
-            passed = jax.lax.cond(a["last"] == 1, lambda: jnp.zeros((), jnp.float32),
-                                  lambda: jnp.sum(y.astype(jnp.float32) * g.astype(jnp.float32)))
-            return loss + passed + extra, (loss, stats)
+
+            def at_last():
+                loss = self.fns.head_loss(o, y, self.targets[m]).astype(jnp.float32)
+                return loss, loss
+
+            def inside():
+                return jnp.sum(y.astype(jnp.float32) * g.astype(jnp.float32)), jnp.zeros((), jnp.float32)
+
+            value, loss = jax.lax.cond(a["last"] == 1, at_last, inside)
+            return value + extra, (loss, stats)
 
         _, vjp, (loss, stats) = jax.vjp(objective, self.chunk(c), self.outer, x, has_aux=True)
         dp, do, dx = vjp(jnp.ones((), jnp.float32))
@@ -256,8 +260,8 @@ def _run_table(the_plan: _Plan, device: _Device, stages: int, split: bool):
     me = jax.lax.axis_index(AXIS)
     columns = {name: jnp.asarray(getattr(the_plan, name)) for name in
                ("kind", "micro", "chunk", "first", "last", "x_slot", "g_slot", "x_arrives", "g_arrives")}
-    # In the order of schedules.IDLE, F, B, W. A table without W actions compiles no W branch:
-    # each branch holds its chunk's forward and backward again (the program grows by a third).
+    # In the order of schedules.IDLE, F, B, W. A table without W actions compiles no W branch
+    # (it would hold the chunk's forward and backward once more).
     branches = [device.idle, device.forward, functools.partial(device.backward, with_weights=not split),
                 device.weight if split else device.idle]
     ahead = [(i, (i + 1) % stages) for i in range(stages)]
