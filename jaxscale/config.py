@@ -29,7 +29,9 @@ def _add_model(c: ml_collections.ConfigDict) -> None:
                                # mistral: llama's structure | qwen2: llama with biases on q, k, v |
                                # qwen3: llama with a norm over each query and key head |
                                # gemma2: (1 + w) RMSNorms before and after attention and the MLP, GeGLU, embeddings
-                               # times sqrt(d_model) | gemma3: gemma2 with a norm over each query and key head
+                               # times sqrt(d_model) | gemma3: gemma2 with a norm over each query and key head |
+                               # mixtral, qwen3_moe, deepseek_v3: llama's (qwen3's) structure, with model.moe's
+                               # experts (deepseek_v3: and model.mla's latent attention)
         num_layers=4, d_model=256, num_heads=4, num_kv_heads=4, d_ff=1024,
         head_dim=0,            # each attention head's width; 0 = d_model / num_heads
         vocab_size=256,        # >= the tokenizer's vocabulary
@@ -63,6 +65,14 @@ def _add_model(c: ml_collections.ConfigDict) -> None:
         final_logit_softcap=0.0,  # logits z -> cap * tanh(z / cap) (Gemma 2: 30); 0 = none
         fp8=False,             # the layers' projections in fp8: e4m3 forward, e5m2 gradients, per-tensor scales
                                # of the step (models/fp8.py); NVIDIA compute capability 8.9+, emulated on CPU
+        mla=dict(                      # multi-head latent attention (DeepSeek-V2/V3, models/latent.py)
+            kv_lora_rank=0,            # keys and values through a latent of this width (cached when decoding);
+                                       # 0 = grouped-query attention
+            q_lora_rank=0,             # queries through a latent of this width; 0 = a full-rank query projection
+            rope_head_dim=64,          # each head's rotary part of the query and key (the key's shared by heads)
+            nope_head_dim=128,         # each head's non-rotary part of the query and key
+            v_head_dim=128,            # each head's value width
+        ),
         attention=dict(
             impl="auto",               # xla | cudnn | splash | auto (cudnn on GPU, splash on TPU, where they run)
             context_parallel="ring",   # ring | all_gather: attention when mesh.sequence > 1
@@ -76,12 +86,16 @@ def _add_model(c: ml_collections.ConfigDict) -> None:
                                        # 0 = dropless (grouped matmuls, nothing padded; over mesh.expert
                                        # by ragged all-to-all)
             every_n_layers=1,          # layers n, 2n, ... (from 1) are MoE, the others dense
+            first_dense=0,             # the first layers dense before them (DeepSeek-V3: 3, HF first_k_dense_replace);
+                                       # the MoE spacing counts from the layer after them
             d_ff=0,                    # expert hidden size; 0 = model.d_ff
             num_shared=0,              # shared experts every token also goes through (DeepSeek-MoE):
                                        # one dense MLP of num_shared x d_ff hidden units beside the router's
             aux_loss_weight=0.01,      # load-balancing loss (Switch/GShard) in the training loss
             bias_rate=0.0,             # auxiliary-loss-free balancing (DeepSeek-V3): after each step every
                                        # expert's selection bias moves this much towards an even load; 0 = off
+            selection_bias=False,      # the selection bias even with bias_rate 0, held as it is (an imported
+                                       # DeepSeek-V3's e_score_correction_bias)
             z_loss_weight=0.001,       # router z-loss (mean logsumexp(logits)^2) in the training loss
             score="softmax",           # softmax | sigmoid: the router's scores (DeepSeek-V3: sigmoid of each logit)
             renormalize=True,          # top_k > 1: the chosen scores divided by their sum (HF norm_topk_prob);

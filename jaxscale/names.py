@@ -25,6 +25,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim": (),
+    "latent": ("fsdp",),     # latent attention's compressed width (model.mla): a contraction, split as embed is
     "mlp": ("tensor",),
     "vocab": ("tensor",),
     "layers": ("pipeline",),
@@ -45,7 +46,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
 }
 
 # The choices of config settings.
-FAMILIES = ("llama", "gpt2", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe")
+FAMILIES = ("llama", "gpt2", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "deepseek_v3")
 ROPE_SCALINGS = ("none", "linear", "llama3", "yarn")  # model.rope_scaling.type (models.rope)
 ROUTER_SCORES = ("softmax", "sigmoid")  # model.moe.score (models.moe.route)
 REMAT_POLICIES = ("none", "full", "dots_saveable")

@@ -258,24 +258,25 @@ def check_rules(config, sizes: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
 
 # Logical axes of the weights outside MoE layers' experts: layers gather what fsdp splits, and
 # use the experts' `expert` split as it is.
-DENSE_WEIGHTS = ("embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "position", "norm", "router")
+DENSE_WEIGHTS = ("embed", "heads", "kv_heads", "head_dim", "latent", "mlp", "vocab", "position", "norm", "router")
 
 
-# Logical axis -> the config field holding that dimension's size.
-_DIMENSIONS = {"embed": "model.d_model", "heads": "model.num_heads", "kv_heads": "model.num_kv_heads",
-               "mlp": "model.d_ff", "vocab": "model.vocab_size", "layers": "model.num_layers",
-               "experts": "model.moe.num_experts"}
+# Logical axis -> the config fields holding that dimension's sizes (one of 0: no such dimension).
+_DIMENSIONS = {"embed": ("model.d_model",), "heads": ("model.num_heads",), "kv_heads": ("model.num_kv_heads",),
+               "mlp": ("model.d_ff",), "vocab": ("model.vocab_size",), "layers": ("model.num_layers",),
+               "experts": ("model.moe.num_experts",), "latent": ("model.mla.kv_lora_rank", "model.mla.q_lora_rank")}
 
 
 def check_layout(config, rules: Mapping[str, tuple[str, ...]], sizes: Mapping[str, int]) -> None:
     """A valid ZeRO stage, and every dimension the rules split divides evenly into its pieces
     (shardings must be even); raises ConfigError naming the field to change."""
     require(0 <= config.zero_stage <= 3, "zero_stage", config.zero_stage, "choose 0, 1, 2 or 3")
-    for name, field in _DIMENSIONS.items():
+    for name, fields in _DIMENSIONS.items():
         parts, axes = split_ways(rules[name], sizes)
-        size = field_value(config, field)
-        require(size % parts == 0, field, size,
-                f"the '{name}' dimension is split {parts} ways ({axes}); use a multiple of {parts} or change the mesh")
+        for field in fields:
+            size = field_value(config, field)
+            require(size % parts == 0, field, size, f"the '{name}' dimension is split {parts} ways ({axes}); "
+                    f"use a multiple of {parts} or change the mesh")
     parts = split_ways(rules["length"], sizes)[0]
     require(config.train.seq_len % parts == 0, "train.seq_len", config.train.seq_len,
             f"activations are split {parts} ways along length; use a multiple of {parts}")

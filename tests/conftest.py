@@ -108,9 +108,10 @@ def build_for(spec, *, optim=None, accum: int = 1, rows: int = 32, seq_len: int 
 
     config = defaults()
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
-    config.model.update({k: v for k, v in fields.items() if k in config.model and k not in ("moe", "rope_scaling")})
-    config.model.moe.update(dataclasses.asdict(spec.moe))
-    config.model.rope_scaling.update(dataclasses.asdict(spec.rope_scaling))
+    nested = ("moe", "rope_scaling", "mla")
+    config.model.update({k: v for k, v in fields.items() if k in config.model and k not in nested})
+    for name in nested:
+        config.model[name].update(dataclasses.asdict(fields[name]))
     config.model.attention.update(impl=spec.attention_impl, block_size=spec.attention_block, context_parallel=context)
     config.model.update(dtype=dtype, layer_loop="scan" if spec.scan_layers else "unroll",
                         projections="cpu" if spec.cpu_matmul else "einsum")

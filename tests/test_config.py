@@ -30,7 +30,7 @@ def test_defaults_and_shipped_configs_validate():
 # digits published: the configs build those models.
 PUBLISHED_PARAMS = {"llama3_1_8b": 8.03e9, "llama_1b": 1.24e9, "mistral_7b": 7.25e9, "qwen3_8b": 8.19e9,
                     "qwen3_1_7b": 1.72e9, "gemma2_2b": 2.61e9, "gemma3_1b": 1.00e9, "mixtral_8x7b": 46.7e9,
-                    "qwen3_30b_a3b": 30.5e9}
+                    "qwen3_30b_a3b": 30.5e9, "deepseek_v3_671b": 671e9}
 
 
 @pytest.mark.parametrize("name", PUBLISHED_PARAMS)
@@ -150,6 +150,11 @@ def test_a_path_on_the_command_line_means_the_file_source():
      "model.layer_pattern", "no sliding-window attention"),
     (["model.attn_logit_softcap=50", "mesh.data=4", "mesh.sequence=2"], "model.attn_logit_softcap",
      "does not soft-cap"),
+    (["model.mla.kv_lora_rank=32", "model.num_kv_heads=2"], "model.num_kv_heads", "set it to model.num_heads=4"),
+    (["model.mla.kv_lora_rank=32", "model.mla.rope_head_dim=7"], "model.mla.rope_head_dim", "even width"),
+    (["model.mla.kv_lora_rank=32", "model.layer_pattern=LG", "model.sliding_window=8"], "model.layer_pattern",
+     "no sliding-window layers"),
+    (["model.mla.kv_lora_rank=30", "mesh.fsdp=4", "mesh.data=2"], "model.mla.kv_lora_rank", "split 4 ways"),
 ])
 def test_bad_input_names_field(overrides, field, words):
     error = _error(overrides)

@@ -21,6 +21,7 @@ from jaxscale import sharding as shd
 from jaxscale.errors import ConfigError
 from jaxscale.interop import load_hf_params, model_config_from_hf, save_hf
 from jaxscale.models import LanguageModel, ModelSpec
+from jaxscale.models.latent import LatentSpec
 from jaxscale.models.moe import MoESpec
 from jaxscale.models.rope import RopeScaling
 from jaxscale.state import param_specs
@@ -113,6 +114,22 @@ def _qwen3_moe():
     return transformers.Qwen3MoeForCausalLM(config)
 
 
+# DeepSeek-V3: latent attention (a query latent too), one dense layer first, then two MoE layers of
+# 8 sigmoid-scored experts in 4 groups (a token's 2 experts from its 2 best groups), a shared
+# expert, and a correction bias set away from its zeros so that it changes the choice; the rotary
+# dimensions interleaved as DeepSeek stores them.
+def _deepseek_v3():
+    config = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+        qk_nope_head_dim=12, v_head_dim=10, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+        n_shared_experts=1, first_k_dense_replace=1, rms_norm_eps=1e-5, max_position_embeddings=128)
+    model = transformers.DeepseekV3ForCausalLM(config)
+    for layer in model.model.layers[1:]:
+        layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.05)
+    return model
+
+
 HF_MODELS = {"llama_gqa_untied": lambda: _llama(False), "llama_tied": lambda: _llama(True), "gpt2": _gpt2,
              "llama3_rope": lambda: _llama(False, rope_scaling=dict(LLAMA3_ROPE)),  # a copy: HF adds to it
              "linear_rope": lambda: _llama(True, rope_scaling={"rope_type": "linear", "factor": 2.0}),
@@ -126,7 +143,7 @@ HF_MODELS = {"llama_gqa_untied": lambda: _llama(False), "llama_tied": lambda: _l
              "mistral_window": lambda: _built_as_llama(transformers.MistralConfig, transformers.MistralForCausalLM,
                                                        sliding_window=6, attn_implementation="eager"),
              "gemma2": _gemma2, "gemma3": _gemma3, "gemma3_with_vision": _gemma3_with_vision,
-             "mixtral": _mixtral, "qwen3_moe": _qwen3_moe}
+             "mixtral": _mixtral, "qwen3_moe": _qwen3_moe, "deepseek_v3": _deepseek_v3}
 
 SPECS = {
     "llama_gqa_untied": ModelSpec(family="llama", num_layers=2, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
@@ -155,6 +172,13 @@ SPECS = {
                            vocab_size=VOCAB, tie_embeddings=False, rope_theta=5e4, head_dim=32,
                            moe=MoESpec(num_experts=4, top_k=2, capacity_factor=0.0, d_ff=48, every_n_layers=2,
                                        renormalize=False)),
+    "deepseek_v3": ModelSpec(family="deepseek_v3", num_layers=3, d_model=64, num_heads=4, num_kv_heads=4, d_ff=96,
+                             vocab_size=VOCAB, tie_embeddings=False, norm_eps=1e-6,
+                             mla=LatentSpec(kv_lora_rank=16, q_lora_rank=0, rope_head_dim=8, nope_head_dim=12,
+                                            v_head_dim=10),
+                             moe=MoESpec(num_experts=8, top_k=2, capacity_factor=0.0, d_ff=32, first_dense=1,
+                                         num_shared=2, score="sigmoid", expert_groups=4, top_groups=2,
+                                         routed_scale=2.5, selection_bias=True)),
     "gemma3": ModelSpec(family="gemma3", num_layers=3, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
                         vocab_size=VOCAB, rope_theta=5e4, rope_scaling=dict(type="linear", factor=2.0),
                         layer_pattern="LG", sliding_window=4, local_rope_theta=1e4, norm_eps=1e-6),
@@ -215,7 +239,8 @@ def _hf_greedy(model, prompt: list[int], count: int) -> list[int]:
 
 
 # One of each family: the imported model generates and trains as transformers' own.
-FAMILY_MODELS = ["llama3_rope", "mistral_window", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
+FAMILY_MODELS = ["llama3_rope", "mistral_window", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe",
+                 "deepseek_v3"]
 
 
 @pytest.mark.parametrize("name", [*FAMILY_MODELS, "yarn_rope"])
@@ -231,6 +256,14 @@ def test_greedy_continuation_equals_transformers(name, tmp_path):
     spec = ModelSpec(**model_config_from_hf(tmp_path))
     prompt = TOKENS[0].tolist() * 3  # 48 tokens: generation runs to position 80
     assert generate(LanguageModel(spec), load_hf_params(tmp_path, spec), prompt, 32) == _hf_greedy(hf, prompt, 32)
+
+
+def test_latent_attention_caches_the_latent_and_the_rotary_key_only():
+    """Decoding DeepSeek-V3's shape caches kv_lora_rank + qk_rope_head_dim values per token and
+    layer (16 + 8 here), not 2 x heads x head width (2 x 4 x 20 keys and values)."""
+    spec = SPECS["deepseek_v3"]
+    cache = LanguageModel(spec).init_cache(batch=2, max_len=40)
+    assert jax.tree.map(jnp.shape, cache) == {"global": {"latent": (3, 2, 40, 16 + 8)}}
 
 
 def test_import_reads_rope_theta_and_tying(tmp_path):
@@ -265,7 +298,7 @@ def test_import_base_model_names_and_bf16(tmp_path):
                                                ("llama_gqa_untied", 40_000), ("llama3_rope", None),
                                                ("yarn_rope", None), ("mistral", None), ("qwen2", None),
                                                ("qwen3", None), ("gemma2", None), ("gemma3", None),
-                                               ("mixtral", None), ("qwen3_moe", None)])
+                                               ("mixtral", None), ("qwen3_moe", None), ("deepseek_v3", None)])
 def test_export_matches_transformers(name, shard_bytes, tmp_path):
     spec, kwargs = SPECS[name], {} if shard_bytes is None else {"max_shard_bytes": shard_bytes}
     params = _perturbed_ours(spec)
@@ -283,7 +316,8 @@ def test_export_matches_transformers(name, shard_bytes, tmp_path):
 # Where each family trains beside one device: the dense ones on data x fsdp x tensor, the mixtures
 # of experts with their experts split over expert=4 (the batch over expert x data).
 TRAIN_LAYOUTS = {**dict.fromkeys(FAMILY_MODELS, dict(data=2, fsdp=2, tensor=2)),
-                 "mixtral": dict(expert=4, data=2), "qwen3_moe": dict(expert=4, data=2)}
+                 "mixtral": dict(expert=4, data=2), "qwen3_moe": dict(expert=4, data=2),
+                 "deepseek_v3": dict(expert=4, data=2)}
 
 
 @pytest.mark.parametrize("name", FAMILY_MODELS)

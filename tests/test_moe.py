@@ -473,6 +473,11 @@ def test_active_parameters_for_mfu():
     (["model.moe.num_experts=8", "model.moe.expert_groups=4", "model.moe.top_k=3"], "model.moe.top_k",
      "at most 2; raise top_groups"),
     (["model.moe.num_experts=8", "model.moe.routed_scale=0"], "model.moe.routed_scale", "must be > 0"),
+    (["model.moe.num_experts=8", "model.moe.first_dense=4"], "model.moe.first_dense", "leave MoE layers"),
+    (["model.moe.num_experts=8", "model.moe.first_dense=1", "model.moe.every_n_layers=2"],
+     "model.moe.every_n_layers", "less model.moe.first_dense=1"),
+    (["model.moe.num_experts=8", "model.moe.first_dense=2", "mesh.pipeline=2", "pipeline.schedule=gpipe"],
+     "model.moe.first_dense", "set mesh.pipeline=1"),
 ])
 def test_bad_moe_input_names_field(overrides, field, words):
     config = config_lib.defaults()

@@ -10,7 +10,7 @@ import jax
 
 from jaxscale.analysis.hardware import PEAK_TFLOPS
 from jaxscale.errors import require_non_negative
-from jaxscale.models.families import head_size
+from jaxscale.models.latent import widths
 from jaxscale.models.moe import expert_param_count
 
 EMBEDDING_PARAMS = ("embed", "pos_embed")  # lookups: excluded from N (a tied head counts again)
@@ -49,15 +49,18 @@ def active_params(params, spec) -> int:
 
 
 def flops_per_token(spec, n_params: int, seq_len: int) -> float:
-    """Training FLOPs per token, PaLM (Chowdhery et al. 2022, app. B): 6N + 12·L·H·Q·T."""
-    return 6.0 * n_params + 12.0 * spec.num_layers * spec.num_heads * head_size(spec) * seq_len
+    """Training FLOPs per token, PaLM (Chowdhery et al. 2022, app. B): 6N + 12·L·H·Q·T; with
+    value heads of another width than the query's and key's (latent attention, models.latent)
+    the scores' and the weighted sum's halves apart: 6·L·H·(Q + V)·T."""
+    qk, v = widths(spec)
+    return 6.0 * n_params + 6.0 * spec.num_layers * spec.num_heads * (qk + v) * seq_len
 
 
 def attention_recompute_flops_per_token(spec, seq_len: int) -> float:
     """The matmul FLOPs per token a step does beyond the convention's: the blockwise attention's
     backward recomputes each tile's scores Q·Kᵀ (2·L·H·Q·T), as FlashAttention does; MFU leaves
     recomputation out, so the compiled step's matmuls are flops_per_token plus this."""
-    return 2.0 * spec.num_layers * spec.num_heads * head_size(spec) * seq_len
+    return 2.0 * spec.num_layers * spec.num_heads * widths(spec)[0] * seq_len
 
 
 def mfu(tokens_per_sec: float, flops_per_tok: float, num_devices: int, peak: float | None) -> float | None:

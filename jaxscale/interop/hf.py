@@ -20,17 +20,21 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 
 from jaxscale.errors import ConfigError
 from jaxscale.interop import hf_files, stacked
-from jaxscale.interop.hf_config import check_spec_matches, hf_config_from_spec, model_config_from_hf
+from jaxscale.interop.hf_config import check_spec_matches, hf_config_from_spec, model_config_from_hf, read_hf_config
 from jaxscale.interop.hf_names import (
     BASE_PREFIX,
     IGNORED_SUFFIXES,
     OTHER_PARTS,
+    ROTARY_TAILS,
     TEXT_MODEL_PREFIXES,
     Row,
+    Spacing,
+    deinterleave,
     hf_layer,
     hf_name,
     hf_part_sizes,
     hf_shape,
+    interleave,
     rows_for,
     to_hf,
     to_ours,
@@ -56,12 +60,14 @@ def load_hf_params(hf_dir, spec, shardings=None) -> dict:
     layer_shapes = _per_layer(shapes)
     place = flatten_dict(shardings, sep="/") if shardings is not None else dict.fromkeys(shapes)
     rows = rows_for(spec.family, set(shapes))
+    rotary = _rotary(spec, read_hf_config(hf_dir).get("rope_interleave", True))
     params = {}
     with hf_files.CheckpointReader(hf_dir) as reader:
         names = _checkpoint_names(reader, rows, spec, shapes)
         for row in rows:
             for path, (start, stop) in zip(row.ours, _part_ranges(row, layer_shapes)):
-                read = functools.partial(_read_param, reader, names, row, layer_shapes[path], start, stop)
+                read = functools.partial(_read_param, reader, names, row, layer_shapes[path], start, stop,
+                                         rotary.get(path, 0))
                 params[path] = (stacked.assemble(read, shapes[path], place[path]) if row.stacked
                                 else jax.device_put(read(None), place[path]))
     return unflatten_dict(params, sep="/")
@@ -81,16 +87,16 @@ def save_hf(params: dict, spec, out_dir, max_shard_bytes: int = DEFAULT_SHARD_BY
     _check_tree(flat, spec)
     shapes = {path: tuple(x.shape) for path, x in flat.items()}
     layer_shapes = _per_layer(shapes)
-    tensors = _export_order(rows_for(spec.family, set(flat)), shapes, spec.moe.every_n_layers)
+    tensors = _export_order(rows_for(spec.family, set(flat)), shapes, _spacing(spec))
     sizes = {name: 4 * math.prod(hf_shape(row, layer_shapes)) for name, (row, *_) in tensors.items()}
     shards = hf_files.plan_shards(sizes, max_shard_bytes)
     files = hf_files.shard_file_names(len(shards))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _remove_earlier_save(out)
-    fetch = _LastLayer(flat)
+    fetch, rotary = _LastLayer(flat), _rotary(spec, True)
     for shard, file in zip(shards, files):
-        hf_files.write_shard(out / file, {name: _hf_tensor(fetch, *tensors[name]) for name in shard})
+        hf_files.write_shard(out / file, {name: _hf_tensor(fetch, rotary, *tensors[name]) for name in shard})
     if len(shards) > 1:
         hf_files.write_index(out, {name: file for shard, file in zip(shards, files) for name in shard},
                              sum(sizes.values()))
@@ -98,9 +104,25 @@ def save_hf(params: dict, spec, out_dir, max_shard_bytes: int = DEFAULT_SHARD_BY
     return [out / file for file in files]
 
 
-def _read_param(reader, names, row: Row, shape, start, stop, layer: int | None):
+def _spacing(spec) -> Spacing:
+    return Spacing(spec.moe.every_n_layers, spec.moe.first_dense)
+
+
+def _rotary(spec, interleaved: bool) -> dict[str, int]:
+    """Path -> the width of the rotary tail HF stores in interleaved pairs (DeepSeek's
+    rope_interleave: the latent attention's query and rotary key, interop.hf_names.deinterleave)."""
+    if not (spec.mla.on and interleaved):
+        return {}
+    paths = _param_shapes(spec)
+    return {path: spec.mla.rope_head_dim for path in paths if path.endswith(ROTARY_TAILS)}
+
+
+def _read_param(reader, names, row: Row, shape, start, stop, rotary: int, layer: int | None):
     """One parameter (its layer `layer` when stacked) from the checkpoint, in our shape, float32:
-    an experts row's from one HF tensor per expert."""
+    an experts row's from one HF tensor per expert; a rotary tail of `rotary` dimensions (0: none)
+    put in our order."""
+    if rotary:
+        return deinterleave(_read_param(reader, names, row, shape, start, stop, 0, layer), rotary)
     if not row.experts:
         return to_ours(reader.read(names[row, layer][0], row.out_axis, start, stop), row, shape)
     return np.stack([to_ours(reader.read(name, row.out_axis, start, stop), row, shape[1:])
@@ -144,7 +166,7 @@ def _checkpoint_names(reader, rows, spec, shapes) -> dict[tuple[Row, int | None]
     for row in rows:
         expected = hf_shape(row, layer_shapes)
         for layer in _layers(row, shapes):
-            found = tuple(_find(reader, hf_name(row, layer, spec.moe.every_n_layers, expert), BASE_PREFIX[spec.family])
+            found = tuple(_find(reader, hf_name(row, layer, _spacing(spec), expert), BASE_PREFIX[spec.family])
                           for expert in _experts(row, shapes))
             for name in found:
                 if reader.shape(name) != expected:
@@ -169,10 +191,17 @@ def _refuse_leftovers(leftover: set[str], spec) -> None:
     """A tensor we have no parameter for would be dropped silently: refuse it unless it holds none."""
     tied_head = {"lm_head.weight"} if spec.tie_embeddings else set()  # some tied checkpoints store the copy
     unknown = sorted(n for n in leftover if not n.endswith(IGNORED_SUFFIXES) and n not in tied_head
-                     and not n.startswith(OTHER_PARTS))
+                     and not n.startswith(OTHER_PARTS) and not _prediction_module(n, spec))
     if unknown:
         raise ConfigError("tensor", unknown[0], f"jaxscale's {spec.family} has no parameter for it ({len(unknown)} "
                                                 f"such tensor(s)); this checkpoint is not a plain {spec.family}")
+
+
+def _prediction_module(name: str, spec) -> bool:
+    """A DeepSeek-V3 checkpoint's multi-token prediction modules: its layers past num_hidden_layers
+    (not imported, as transformers does not load them)."""
+    found = re.fullmatch(r"model\.layers\.(\d+)\..*", name)
+    return spec.family == "deepseek_v3" and found is not None and int(found.group(1)) >= spec.num_layers
 
 
 def _check_tree(flat: dict, spec) -> None:
@@ -183,12 +212,12 @@ def _check_tree(flat: dict, spec) -> None:
             raise ValueError(f"params[{path!r}] has shape {got} but the model of `spec` has {expected.get(path)}")
 
 
-def _export_order(rows, shapes: dict[str, tuple[int, ...]], every_n: int) -> dict[str, tuple]:
+def _export_order(rows, shapes: dict[str, tuple[int, ...]], spacing: Spacing) -> dict[str, tuple]:
     """HF name -> (row, our layer, expert): unstacked tensors first, then HF's layers in order, so
     shards follow depth."""
     order = [(row, layer, expert) for row in rows for layer in _layers(row, shapes) for expert in _experts(row, shapes)]
-    order.sort(key=lambda item: -1 if item[1] is None else hf_layer(item[0], item[1], every_n))
-    return {hf_name(row, layer, every_n, expert): (row, layer, expert) for row, layer, expert in order}
+    order.sort(key=lambda item: -1 if item[1] is None else hf_layer(item[0], item[1], spacing))
+    return {hf_name(row, layer, spacing, expert): (row, layer, expert) for row, layer, expert in order}
 
 
 class _LastLayer:
@@ -204,10 +233,14 @@ class _LastLayer:
         return self.value
 
 
-def _hf_tensor(fetch: _LastLayer, row: Row, layer: int | None, expert: int | None):
+def _hf_tensor(fetch: _LastLayer, rotary: dict[str, int], row: Row, layer: int | None, expert: int | None):
     """The row's HF tensor for `layer` (and `expert`), fetched one parameter slice at a time
-    (fused parts concatenated)."""
-    parts = [to_hf(fetch(path, layer) if expert is None else fetch(path, layer)[expert], row) for path in row.ours]
+    (fused parts concatenated; rotary tails, `_rotary`, interleaved)."""
+    def ours(path):
+        value = fetch(path, layer) if expert is None else fetch(path, layer)[expert]
+        return interleave(value, rotary[path]) if path in rotary else value
+
+    parts = [to_hf(ours(path), row) for path in row.ours]
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=row.out_axis)
 
 

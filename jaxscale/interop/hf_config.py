@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 
 from jaxscale.errors import ConfigError
@@ -47,7 +48,12 @@ LLAMA_LIKE = {"llama": ("LlamaForCausalLM", dict(attention_bias=False, mlp_bias=
 MOE = {"mixtral": ("MixtralForCausalLM", "num_local_experts", "mistral"),
        "qwen3_moe": ("Qwen3MoeForCausalLM", "num_experts", "qwen3")}
 # The model.moe.* fields a Hugging Face checkpoint decides (the others only shape training).
-MOE_FIELDS = ("num_experts", "top_k", "d_ff", "every_n_layers", "renormalize")
+MOE_FIELDS = ("num_experts", "top_k", "d_ff", "every_n_layers", "renormalize", "first_dense", "num_shared", "score",
+              "expert_groups", "top_groups", "routed_scale", "selection_bias")
+# DeepSeek-V3: its transformers class, and config.json <-> model.mla's fields.
+DEEPSEEK = "DeepseekV3ForCausalLM"
+MLA_FIELDS = {"kv_lora_rank": "kv_lora_rank", "q_lora_rank": "q_lora_rank", "qk_rope_head_dim": "rope_head_dim",
+              "qk_nope_head_dim": "nope_head_dim", "v_head_dim": "v_head_dim"}
 # Windowed families: the sliding_window their config class defaults to.
 WINDOWED = {"mistral": 4096, "mixtral": None}
 
@@ -98,6 +104,15 @@ SUPPORTED["mixtral"] = {**SUPPORTED["mistral"],
                         "router_jitter_noise": ((0, 0.0), 0.0, "jaxscale's router adds no noise to its inputs")}
 SUPPORTED["qwen3_moe"] = {**SUPPORTED["qwen3"], "mlp_only_layers": (([],), [], "jaxscale places MoE layers every "
                                                                         "decoder_sparse_step layers only")}
+# DeepSeek-V3's original config.json says how it routes; transformers' class computes these only.
+SUPPORTED["deepseek_v3"] = {
+    "hidden_act": (("silu",), "silu", "jaxscale's deepseek_v3 MLP is SwiGLU with silu"),
+    "attention_bias": ((False,), False, "jaxscale's latent attention has no biases"),
+    "scoring_func": (("sigmoid",), "sigmoid", "transformers' DeepSeek-V3 scores experts by sigmoid"),
+    "topk_method": (("noaux_tc",), "noaux_tc", "transformers' DeepSeek-V3 selects by group-limited top-k with "
+                                               "the correction bias"),
+    "moe_layer_freq": ((1,), 1, "transformers' DeepSeek-V3 has experts in every layer after the first dense ones"),
+}
 
 
 def read_hf_config(hf_dir) -> dict:
@@ -120,12 +135,15 @@ def model_config_from_hf(hf_dir) -> dict:
         return _from_llama(hf, family)
     if family in MOE:
         return _from_moe(hf, family)
+    if family == "deepseek_v3":
+        return _from_deepseek(hf)
     if family in MODEL_TYPES:
         return _from_gemma(hf, MODEL_TYPES[family])
     if family == "gpt2":
         return _from_gpt2(hf)
     raise ConfigError("model_type", family, "jaxscale imports Hugging Face models of type "
-                      f"{', '.join(map(repr, [*LLAMA_LIKE, *MOE, *MODEL_TYPES, 'gpt2']))} only, and the text "
+                      f"{', '.join(map(repr, [*LLAMA_LIKE, *MOE, 'deepseek_v3', *MODEL_TYPES, 'gpt2']))} only, "
+                      "and the text "
                       f"model of {', '.join(map(repr, MULTIMODAL))}")
 
 
@@ -201,6 +219,46 @@ def _from_moe(hf: dict, family: str) -> dict:
     return {**fields, "moe": moe}
 
 
+def _mscale(factor: float, scale: float) -> float:
+    """YaRN's magnitude of a context `factor` times the pretrained one (DeepSeek's get_mscale)."""
+    return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+
+def _deepseek_rope(hf: dict, qk_head_dim: int) -> dict:
+    """rope_theta, rope_scaling and query_scale of DeepSeek's RoPE: its YaRN's mscale and
+    mscale_all_dim set sin and cos's magnitude (their ratio, where attention_factor is not
+    given) and scale the attention scores by mscale(all_dim)^2 (query_scale = (N + R) / that^4)."""
+    params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    mscale, all_dim = params.pop("mscale", None), params.pop("mscale_all_dim", None)
+    theta, scaling = _rope({**hf, "rope_scaling": None, "rope_parameters": params})
+    factor, query_scale = scaling["factor"], 0.0
+    if scaling["type"] == "yarn" and mscale and all_dim and not scaling["attention_factor"]:
+        scaling["attention_factor"] = _mscale(factor, mscale) / _mscale(factor, all_dim)
+    if scaling["type"] != "none" and all_dim:
+        query_scale = qk_head_dim / _mscale(factor, all_dim) ** 4
+    return dict(rope_theta=theta, rope_scaling=scaling, query_scale=query_scale)
+
+
+def _from_deepseek(hf: dict) -> dict:
+    """DeepSeek-V3 (and R1, V3.1: the same class): multi-head latent attention, first_k_dense_replace
+    dense layers, then MoE layers of sigmoid-scored experts chosen by group-limited top-k with the
+    correction bias, shared experts beside them, dropless. No auxiliary or z-loss (the bias
+    balances); the multi-token prediction modules past num_hidden_layers are not imported."""
+    _refuse_unsupported(hf, "deepseek_v3")
+    fields = _shape(hf, "deepseek_v3", tied_by_default=False)
+    mla = {ours: hf[theirs] or 0 for theirs, ours in MLA_FIELDS.items()}
+    fields.update(head_dim=0, num_kv_heads=fields["num_heads"], mla=mla,
+                  **_deepseek_rope(hf, mla["nope_head_dim"] + mla["rope_head_dim"]))
+    groups = hf.get("n_group") or 1
+    moe = dict(num_experts=hf["n_routed_experts"], top_k=hf["num_experts_per_tok"], capacity_factor=0.0,
+               d_ff=hf["moe_intermediate_size"], every_n_layers=1, first_dense=hf.get("first_k_dense_replace") or 0,
+               num_shared=hf.get("n_shared_experts") or 0, score="sigmoid",
+               renormalize=bool(hf.get("norm_topk_prob", True)), expert_groups=groups,
+               top_groups=hf.get("topk_group") or groups, routed_scale=float(hf.get("routed_scaling_factor", 1.0)),
+               selection_bias=True, aux_loss_weight=0.0, z_loss_weight=0.0)
+    return {**fields, "moe": moe}
+
+
 def _layer_pattern(hf: dict, default_period: str) -> str:
     """model.layer_pattern from HF's layer_types (absent: the family's default period), as its
     shortest repeating unit."""
@@ -266,11 +324,16 @@ def _refuse_other_structure(spec) -> None:
 
 def hf_config_from_spec(spec) -> dict:
     """A config.json dict (its family's transformers config) describing the model `spec` builds."""
-    experts = bool(spec.moe.num_experts)
-    _refuse_unless(experts == (spec.family in MOE), "model.moe.num_experts", spec.moe.num_experts,
-                   f"Hugging Face's mixtures of experts are {', '.join(MOE)}; its {spec.family} has "
-                   f"{'experts' if spec.family in MOE else 'no experts'}")
+    experts, moe_families = bool(spec.moe.num_experts), (*MOE, "deepseek_v3")
+    _refuse_unless(experts == (spec.family in moe_families), "model.moe.num_experts", spec.moe.num_experts,
+                   f"Hugging Face's mixtures of experts are {', '.join(moe_families)}; its {spec.family} has "
+                   f"{'experts' if spec.family in moe_families else 'no experts'}")
+    _refuse_unless(spec.mla.on == (spec.family == "deepseek_v3"), "model.mla.kv_lora_rank", spec.mla.kv_lora_rank,
+                   f"Hugging Face's latent attention is deepseek_v3's; its {spec.family} has "
+                   f"{'it' if spec.family == 'deepseek_v3' else 'none'}")
     _refuse_other_structure(spec)
+    if spec.family == "deepseek_v3":
+        return _deepseek_fields(spec)
     if spec.family == "gpt2":
         _refuse_gemma_options(spec)
         _refuse_unless(period(spec.layer_pattern) == "G", "model.layer_pattern", spec.layer_pattern,
@@ -319,6 +382,37 @@ def _moe_fields(spec) -> tuple[str, dict]:
     _refuse_unless(m.renormalize and m.top_k > 1, "model.moe.renormalize", m.renormalize,
                    "Hugging Face's Mixtral renormalises its top-k (k > 1) weights; set it to True and top_k >= 2")
     return architecture, {**fields, "intermediate_size": m.d_ff or spec.d_ff, "router_jitter_noise": 0.0}
+
+
+def _deepseek_fields(spec) -> dict:
+    """config.json of a DeepSeek-V3 `spec`: latent attention, sigmoid-scored grouped experts with
+    the correction bias in every layer after the first dense ones, rotary dimensions interleaved
+    (as DeepSeek's checkpoints store them: interop.hf_names.interleave)."""
+    m, mla = spec.moe, spec.mla
+    needs = (("score", "sigmoid"), ("every_n_layers", 1), ("selection_bias", True))
+    for field, value in needs + (("capacity_factor", 0.0),):
+        _refuse_unless(getattr(m, field) == value, f"model.moe.{field}", getattr(m, field),
+                       f"Hugging Face's DeepSeek-V3 computes {value!r} only; set it to {value!r}")
+    _refuse_unless(not spec.attn_logit_softcap and not spec.final_logit_softcap, "model.attn_logit_softcap",
+                   spec.attn_logit_softcap, "Hugging Face's DeepSeek-V3 has no soft-caps; set both to 0")
+    scaling = spec.rope_scaling
+    _refuse_unless(not spec.query_scale or scaling.type == "yarn", "model.query_scale", spec.query_scale,
+                   "Hugging Face's DeepSeek-V3 scales scores by YaRN's mscale_all_dim only; set it to 0")
+    rope = _hf_rope_scaling(scaling)
+    if spec.query_scale:  # mscale_all_dim from the scores' scale, and mscale as the same (attention_factor kept)
+        all_dim = 10 * ((mla.qk_head_dim / spec.query_scale) ** 0.25 - 1) / math.log(scaling.factor)
+        rope["rope_scaling"].update(mscale=all_dim, mscale_all_dim=all_dim)
+    return dict(model_type="deepseek_v3", architectures=[DEEPSEEK], hidden_act="silu",
+                num_hidden_layers=spec.num_layers, hidden_size=spec.d_model, num_attention_heads=spec.num_heads,
+                num_key_value_heads=spec.num_heads, intermediate_size=spec.d_ff, vocab_size=spec.vocab_size,
+                max_position_embeddings=spec.max_seq_len, rms_norm_eps=spec.norm_eps, rope_theta=spec.rope_theta,
+                tie_word_embeddings=spec.tie_embeddings, initializer_range=spec.init_std, torch_dtype="float32",
+                **rope, **{theirs: getattr(mla, ours) or None for theirs, ours in MLA_FIELDS.items()},
+                rope_interleave=True, attention_bias=False, n_routed_experts=m.num_experts,
+                num_experts_per_tok=m.top_k, moe_intermediate_size=m.d_ff or spec.d_ff,
+                first_k_dense_replace=m.first_dense, n_shared_experts=m.num_shared, norm_topk_prob=m.renormalize,
+                n_group=m.expert_groups, topk_group=m.top_groups, routed_scaling_factor=m.routed_scale,
+                num_nextn_predict_layers=0)
 
 
 def _refuse_gemma_options(spec) -> None:
@@ -379,6 +473,10 @@ def check_spec_matches(spec, hf_dir) -> None:
         if field not in skip and ours != theirs:
             fix = f"the Hugging Face checkpoint in {hf_dir} has {hf[field]!r}; set model.{field}={hf[field]!r}"
             raise ConfigError(f"model.{field}", getattr(spec, field), fix)
+    for field, value in hf.get("mla", {"kv_lora_rank": 0}).items():
+        if getattr(spec.mla, field) != value:
+            raise ConfigError(f"model.mla.{field}", getattr(spec.mla, field), f"the Hugging Face checkpoint in "
+                              f"{hf_dir} has {value!r}; set model.mla.{field}={value!r}")
     theirs = hf.get("moe", {"num_experts": 0})
     for field in (field for field in MOE_FIELDS if field in theirs):
         ours = getattr(spec.moe, field)

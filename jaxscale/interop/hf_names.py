@@ -19,7 +19,8 @@ VECTOR = "vector"  # a bias or norm scale stored flat: ours reshaped
 # HF's causal-LM classes keep the base model under this attribute; a checkpoint saved from the
 # base model (GPT2Model, as on the original GPT-2 uploads) has the same names without it.
 BASE_PREFIX = {"llama": "model.", "gpt2": "transformer.", "mistral": "model.", "qwen2": "model.", "qwen3": "model.",
-               "gemma2": "model.", "gemma3": "model.", "mixtral": "model.", "qwen3_moe": "model."}
+               "gemma2": "model.", "gemma3": "model.", "mixtral": "model.", "qwen3_moe": "model.",
+               "deepseek_v3": "model."}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,17 +50,18 @@ def _rows(*rows) -> tuple[Row, ...]:
 
 
 def _in_stack(row: Row, stack: str) -> Row:
-    """The row for a mixture-of-experts model's stack `stack` ("dense", "moe"): layers/x -> layers/STACK/x."""
+    """The row for a mixture-of-experts model's stack `stack` ("first", "dense", "moe"): layers/x -> layers/STACK/x."""
     return dataclasses.replace(row, ours=tuple(path.replace("layers/", f"layers/{stack}/", 1) for path in row.ours))
 
 
 def _moe_table(dense: tuple[Row, ...], router: str, experts: str, names: dict[str, str]) -> tuple[Row, ...]:
     """A mixture-of-experts family's rows: its dense relative's rows for the dense layers
-    (layers/dense/...) and the MoE layers' attention and norms (layers/moe/...), then the MoE
-    layers' router (HF `router`) and experts (HF `experts`.{e}.NAME for each of ours in `names`)."""
+    (layers/first/... and layers/dense/...) and the MoE layers' attention and norms
+    (layers/moe/...), then the MoE layers' router (HF `router`) and experts (HF
+    `experts`.{e}.NAME for each of ours in `names`)."""
     rows = [row for row in dense if not row.stacked]
     for row in (row for row in dense if row.stacked):
-        rows.append(_in_stack(row, "dense"))
+        rows += [_in_stack(row, "first"), _in_stack(row, "dense")]
         if not row.ours[0].startswith("layers/mlp/"):
             rows.append(_in_stack(row, "moe"))
     rows += _rows(("layers/moe/mlp/router", router, LINEAR),
@@ -85,6 +87,20 @@ _LLAMA = _rows(
     ("layers/mlp/w_up", "model.layers.{i}.mlp.up_proj.weight", LINEAR),
     ("layers/mlp/w_down", "model.layers.{i}.mlp.down_proj.weight", LINEAR),
 )
+# Llama's with multi-head latent attention's tensors (DeepSeek-V3; models.latent) for its attention's.
+_LATENT = tuple(row for row in _LLAMA if not row.ours[0].startswith("layers/attn/")) + _rows(
+    ("layers/attn/wq", "model.layers.{i}.self_attn.q_proj.weight", LINEAR),
+    ("layers/attn/wq_a", "model.layers.{i}.self_attn.q_a_proj.weight", LINEAR),
+    ("layers/attn/q_norm/scale", "model.layers.{i}.self_attn.q_a_layernorm.weight", VECTOR),
+    ("layers/attn/wq_b", "model.layers.{i}.self_attn.q_b_proj.weight", LINEAR),
+    (("layers/attn/wkv_a", "layers/attn/wk_rope"), "model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight", LINEAR),
+    ("layers/attn/kv_norm/scale", "model.layers.{i}.self_attn.kv_a_layernorm.weight", VECTOR),
+    ("layers/attn/wkv_b", "model.layers.{i}.self_attn.kv_b_proj.weight", LINEAR),
+    ("layers/attn/wo", "model.layers.{i}.self_attn.o_proj.weight", LINEAR, 2),
+)
+# The parameters whose last axis ends in rotary dimensions (models.latent): DeepSeek's
+# checkpoints store those in interleaved pairs (rope_interleave), ours rotate halves.
+ROTARY_TAILS = ("attn/wq", "attn/wq_b", "attn/wk_rope")
 _QK_NORMS = _rows(*((f"layers/attn/{x}_norm/scale", f"model.layers.{{i}}.self_attn.{x}_norm.weight", VECTOR)
                     for x in "qk"))
 # Gemma's four norms a layer: HF's post_attention_layernorm is the norm after attention, not before the MLP.
@@ -105,6 +121,11 @@ TABLES: dict[str, tuple[Row, ...]] = {
                           "model.layers.{i}.block_sparse_moe.experts", {"w_gate": "w1", "w_down": "w2", "w_up": "w3"}),
     "qwen3_moe": _moe_table(_LLAMA + _QK_NORMS, "model.layers.{i}.mlp.gate.weight", "model.layers.{i}.mlp.experts",
                             {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}),
+    "deepseek_v3": _moe_table(_LATENT, "model.layers.{i}.mlp.gate.weight", "model.layers.{i}.mlp.experts",
+                              {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}) + _rows(
+        ("layers/moe/mlp/bias_balance", "model.layers.{i}.mlp.gate.e_score_correction_bias", VECTOR),
+        *((f"layers/moe/mlp/shared/{ours}", f"model.layers.{{i}}.mlp.shared_experts.{theirs}.weight", LINEAR)
+          for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")))),
     "gpt2": _rows(
         ("embed", "transformer.wte.weight", MATRIX),
         ("pos_embed", "transformer.wpe.weight", MATRIX),
@@ -142,20 +163,49 @@ def rows_for(family: str, paths: set[str]) -> tuple[Row, ...]:
     return tuple(row for row in TABLES[family] if row.ours[0] in paths)
 
 
-def hf_layer(row: Row, index: int, every_n: int = 1) -> int:
-    """HF's layer number of slice `index` of the row's stacked parameter. A mixture-of-experts
-    model (every_n = model.moe.every_n_layers) stacks its MoE layers n-1, 2n-1, ... (from 0) in
-    layers/moe and the others in order in layers/dense."""
+@dataclasses.dataclass(frozen=True)
+class Spacing:
+    """Where a mixture-of-experts model's stacks sit among HF's layers: model.moe.first_dense
+    dense layers (layers/first), then groups of every_n layers, n-1 dense (layers/dense), then
+    one MoE layer (layers/moe). A dense model's one stack is `Spacing()`."""
+
+    every_n: int = 1
+    first: int = 0
+
+
+def hf_layer(row: Row, index: int, spacing: Spacing = Spacing()) -> int:
+    """HF's layer number of slice `index` of the row's stacked parameter: see Spacing."""
+    n, first = spacing.every_n, spacing.first
     if row.ours[0].startswith("layers/moe/"):
-        return index * every_n + every_n - 1
+        return first + index * n + n - 1
     if row.ours[0].startswith("layers/dense/"):
-        return index // (every_n - 1) * every_n + index % (every_n - 1)
+        return first + index // (n - 1) * n + index % (n - 1)
     return index
 
 
-def hf_name(row: Row, layer: int | None, every_n: int = 1, expert: int | None = None) -> str:
+def hf_name(row: Row, layer: int | None, spacing: Spacing = Spacing(), expert: int | None = None) -> str:
     """The HF tensor of the row for our stacked slice `layer` (and `expert` of an experts row)."""
-    return row.hf.format(i=hf_layer(row, layer, every_n), e=expert) if row.stacked else row.hf
+    return row.hf.format(i=hf_layer(row, layer, spacing), e=expert) if row.stacked else row.hf
+
+
+def _rotary_order(width: int) -> np.ndarray:
+    """Where each of our rotary dimensions sits in DeepSeek's interleaved pairs: our halves'
+    first (cos) components are its even dimensions, the second its odd ones."""
+    return np.concatenate([np.arange(0, width, 2), np.arange(1, width, 2)])
+
+
+def deinterleave(value: np.ndarray, width: int) -> np.ndarray:
+    """An HF value (in our shape) whose last axis ends in `width` interleaved rotary dimensions,
+    with them in our rotate-half order."""
+    order = np.concatenate([np.arange(value.shape[-1] - width), value.shape[-1] - width + _rotary_order(width)])
+    return np.ascontiguousarray(value[..., order])
+
+
+def interleave(value: np.ndarray, width: int) -> np.ndarray:
+    """The inverse of `deinterleave`: our value with its rotary tail in DeepSeek's pairs."""
+    order = np.concatenate([np.arange(value.shape[-1] - width),
+                            value.shape[-1] - width + np.argsort(_rotary_order(width))])
+    return np.ascontiguousarray(value[..., order])
 
 
 def to_ours(hf_part: np.ndarray, row: Row, shape: tuple[int, ...]) -> np.ndarray:

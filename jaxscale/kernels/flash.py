@@ -25,7 +25,8 @@ the backward each key tile the band of query tiles ahead), so work and loop trip
 the whole row: ring attention (parallel.context) calls them once per visiting block.
 Layouts are heads-major, so each tile's scores [B, K, G, bq, bk] are the natural output of a dot
 batched over (B, K): q [B, K, G, Lq, E] (G query heads share each of the K key/value heads), k and
-v [B, K, Lk, E], the log-sum-exp [B, K, G, Lq] float32, positions and segment ids [B, L] int32.
+v [B, K, Lk, E] (v's width may differ from q's and k's: multi-head latent attention's), the
+log-sum-exp [B, K, G, Lq] float32, positions and segment ids [B, L] int32.
 `group`, `heads_major` and `ungroup` convert from and to the model's [B, L, heads, E], once per call.
 """
 
@@ -121,7 +122,7 @@ def band_for(window: int, tile: int, tiles: int) -> int:
 def _forward_rows(q, q_pos, q_seg, k, v, k_pos, k_seg, block_k, window, softcap, keys):
     """(out [B, K, G, bq, E] float32, lse [B, K, G, bq]) of one query block against the key
     blocks keys = (band, origin) walks (see _walk)."""
-    B, K, G, bq, E = q.shape
+    B, K, G, bq, _ = q.shape
 
     def key_block(j, inside, carry):
         start = j * block_k
@@ -139,7 +140,7 @@ def _forward_rows(q, q_pos, q_seg, k, v, k_pos, k_seg, block_k, window, softcap,
 
         return jax.lax.cond(inside & vis.any(), update, lambda c: c, carry)
 
-    start = (jnp.zeros((B, K, G, bq, E), jnp.float32), jnp.full((B, K, G, bq), EMPTY, jnp.float32),
+    start = (jnp.zeros((B, K, G, bq, v.shape[-1]), jnp.float32), jnp.full((B, K, G, bq), EMPTY, jnp.float32),
              jnp.zeros((B, K, G, bq), jnp.float32))
     out, run_max, run_sum = _walk(k.shape[2] // block_k, *keys, key_block, start)
     seen = run_sum > 0
@@ -163,7 +164,7 @@ def forward(q, k, v, q_pos, k_pos, q_seg, k_seg, block_q: int, block_k: int, win
                              (band, i - band + 1))
         return _put_rows(out, o, start), _put_rows(lse, m, start, -1)
 
-    start = jnp.zeros(q.shape, jnp.float32), jnp.zeros(q.shape[:-1], jnp.float32)
+    start = jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32), jnp.zeros(q.shape[:-1], jnp.float32)
     return _loop(q.shape[3] // block_q, query_block, start)
 
 

@@ -10,7 +10,8 @@ With document masking (segment ids) cuDNN is not used: its packed-sequence form 
 lengths per document) is not wired, and it could not be tested without a GPU. Nor with
 soft-capped logits (Gemma 2's), which cuDNN cannot do; a sliding window (Gemma 2/3's local
 layers) every kernel takes. Under context parallelism (`sequence` > 1) every platform runs the
-ring or all-gather of `parallel.context`.
+ring or all-gather of `parallel.context`. Multi-head latent attention (models.latent), whose
+value heads are narrower than its query and key heads, runs the blockwise kernel everywhere.
 Decoding attends to a KV cache (`write_cache`, `cached_attention`).
 """
 
@@ -64,9 +65,14 @@ def cudnn_supported(platform: str, dtype, head_dim: int) -> str | None:
 SOFTCAP = "cuDNN attention cannot soft-cap attention logits (model.attn_logit_softcap)"
 
 
+LATENT = "multi-head latent attention (model.mla) runs on the blockwise kernel (its value heads differ in width)"
+
+
 def _unsupported(impl: str, platform: str, dtype, head_dim: int, document_mask: bool, length: int,
-                 softcap: float) -> str | None:
+                 softcap: float, latent: bool = False) -> str | None:
     """None if kernel `impl` (cudnn or splash) can run this, else the reason it cannot."""
+    if latent:
+        return LATENT
     if impl == "splash":
         return f"splash attention needs a TPU (platform is {platform})" if platform != "tpu" else (
             splash.unsupported(length))
@@ -83,14 +89,15 @@ DETERMINISTIC = ("cuDNN attention is not deterministic with XLA's deterministic 
 
 
 def resolve_impl(requested: str, platform: str, dtype, head_dim: int, document_mask: bool = False,
-                 length: int = 0, deterministic: bool = False, softcap: float = 0.0) -> tuple[str, str | None]:
+                 length: int = 0, deterministic: bool = False, softcap: float = 0.0,
+                 latent: bool = False) -> tuple[str, str | None]:
     """(the kernel to use, a one-line note or None). `auto` takes the platform's kernel (splash
     on TPU, cuDNN elsewhere) where it can run; with `deterministic` or logits soft-capped
-    (softcap > 0) never cuDNN's."""
+    (softcap > 0) never cuDNN's; with latent attention (`latent`) neither."""
     if requested == "xla":
         return "xla", None
     kernel = requested if requested != "auto" else "splash" if platform == "tpu" else "cudnn"
-    reason = _unsupported(kernel, platform, dtype, head_dim, document_mask, length, softcap)
+    reason = _unsupported(kernel, platform, dtype, head_dim, document_mask, length, softcap, latent)
     if reason is None and kernel == "cudnn" and deterministic:
         if requested == "cudnn":
             raise ConfigError("model.attention.impl", requested, DETERMINISTIC.replace(" uses", " needs") +
@@ -153,10 +160,12 @@ def self_attention(q_BLHE, k_BLKE, v_BLKE, places: Placement, impl: str, block: 
 
 
 def write_cache(cache_BSKE, new_BLKE, positions_BL):
-    """The cache with each row's new keys (or values) written at its positions, which must be
-    consecutive: row b's L entries land in slots positions_BL[b, 0] .. positions_BL[b, 0] + L - 1."""
+    """The cache with each row's new keys (or values, or latents: [B, S, ...] of any rank)
+    written at its positions, which must be consecutive: row b's L entries land in slots
+    positions_BL[b, 0] .. positions_BL[b, 0] + L - 1."""
     def row(cache_SKE, new_LKE, start):
-        return jax.lax.dynamic_update_slice(cache_SKE, new_LKE.astype(cache_SKE.dtype), (start, 0, 0))
+        at = (start,) + (0,) * (cache_SKE.ndim - 1)
+        return jax.lax.dynamic_update_slice(cache_SKE, new_LKE.astype(cache_SKE.dtype), at)
 
     return jax.vmap(row)(cache_BSKE, new_BLKE, positions_BL[:, 0])
 
@@ -184,7 +193,7 @@ def _attend_to(q_BLHE, k_BSKE, v_BSKE, positions_BL, key_positions_BS, window: i
     visible_BLS = visible_BLS & (back_BLS < window) if window else visible_BLS
     s_BKGLS = jnp.where(visible_BLS[:, None, None], s_BKGLS, -jnp.inf)  # each query's own key is visible
     p_BKGLS = jax.nn.softmax(s_BKGLS, axis=-1).astype(v_BSKE.dtype)
-    return jnp.einsum("BKGLS,BSKE->BLKGE", p_BKGLS, v_BSKE).reshape(B, L, H, E)
+    return jnp.einsum("BKGLS,BSKE->BLKGE", p_BKGLS, v_BSKE).reshape(B, L, H, v_BSKE.shape[-1])
 
 
 def ring_slots(first_BL, slots: int):

@@ -41,6 +41,27 @@ def check_model(config) -> None:
     _check_shapes(m, config.train.seq_len)
     _check_rope_scaling(m.rope_scaling)
     _check_layer_pattern(m)
+    _check_latent(m)
+
+
+def _check_latent(m) -> None:
+    """Multi-head latent attention (model.mla.kv_lora_rank > 0): positive widths, an even rotary
+    part, a head per query head, rotary positions and global layers only."""
+    mla = m.mla
+    require(mla.kv_lora_rank >= 0, "model.mla.kv_lora_rank", mla.kv_lora_rank, "must be >= 0 (0 = no latent)")
+    if not mla.kv_lora_rank:
+        return
+    require(mla.q_lora_rank >= 0, "model.mla.q_lora_rank", mla.q_lora_rank, "must be >= 0 (0 = a full-rank query)")
+    for key in ("nope_head_dim", "v_head_dim", "rope_head_dim"):
+        require(mla[key] > 0, f"model.mla.{key}", mla[key], "must be > 0")
+    require(mla.rope_head_dim % 2 == 0, "model.mla.rope_head_dim", mla.rope_head_dim,
+            "RoPE rotates pairs of dimensions: use an even width")
+    require(m.num_kv_heads == m.num_heads, "model.num_kv_heads", m.num_kv_heads,
+            f"latent attention gives every query head its own key and value: set it to model.num_heads={m.num_heads}")
+    require(preset(m.family).position == "rope", "model.family", m.family,
+            "latent attention's positions are rotary: use a RoPE family (llama, deepseek_v3, ...)")
+    require(set(m.layer_pattern) == {"G"}, "model.layer_pattern", m.layer_pattern,
+            "latent attention has no sliding-window layers: set it to G")
 
 
 def _check_layer_pattern(m) -> None:
@@ -106,6 +127,9 @@ def check_moe(config, sizes, rules) -> None:
         return
     _check_router(m, config.model.num_layers)
     if sizes["pipeline"] > 1:
+        require(m.first_dense == 0, "model.moe.first_dense", m.first_dense, "pipeline stages hold whole groups "
+                "of layers alike, not first dense layers; set mesh.pipeline=1 (expert, fsdp and tensor layouts "
+                "take it)")
         chunks, groups = sizes["pipeline"] * config.pipeline.virtual_stages, config.model.num_layers // m.every_n_layers
         require(groups % chunks == 0, "model.num_layers", config.model.num_layers,
                 f"a pipeline stage holds whole groups of model.moe.every_n_layers={m.every_n_layers} layers; "
@@ -127,8 +151,12 @@ def _check_router(m, num_layers: int) -> None:
             f"must be between 1 and model.moe.num_experts={m.num_experts}")
     require(m.capacity_factor >= 0, "model.moe.capacity_factor", m.capacity_factor,
             "must be >= 0 (0 = dropless); a factor >= num_experts/top_k never drops a token either")
-    require(m.every_n_layers >= 1 and num_layers % m.every_n_layers == 0, "model.moe.every_n_layers",
-            m.every_n_layers, f"must be >= 1 and divide model.num_layers={num_layers}")
+    require(0 <= m.first_dense < num_layers, "model.moe.first_dense", m.first_dense,
+            f"must be >= 0 and leave MoE layers of model.num_layers={num_layers}")
+    spaced = num_layers - m.first_dense
+    require(m.every_n_layers >= 1 and spaced % m.every_n_layers == 0, "model.moe.every_n_layers",
+            m.every_n_layers, f"must be >= 1 and divide model.num_layers={num_layers}"
+            + (f" less model.moe.first_dense={m.first_dense}" if m.first_dense else ""))
     require(m.d_ff >= 0, "model.moe.d_ff", m.d_ff, "must be >= 0 (0 = model.d_ff)")
     require(m.num_shared >= 0, "model.moe.num_shared", m.num_shared, "must be >= 0 (0 = no shared experts)")
     for key in ("aux_loss_weight", "z_loss_weight", "bias_rate"):

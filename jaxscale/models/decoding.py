@@ -2,7 +2,8 @@
 slice of it (the layer loop, Transformer._loop, hands each layer its slice).
 
 The cache holds a stack per kind of layer (`stack_of`), each {'k', 'v'}: [layers of that kind,
-batch, slots, kv_heads, head_dim] in the compute dtype. A global layer's slot s holds position
+batch, slots, kv_heads, head_dim] in the compute dtype (multi-head latent attention's
+{'latent': [layers, batch, slots, kv_lora_rank + rope_head_dim]}, models.latent). A global layer's slot s holds position
 s (max_len slots); a sliding-window layer's cache is a ring of min(window, max_len) slots,
 position t in slot t mod their number, so it holds its window and no more. Decoding runs as one
 program on the model's default strategy (LanguageModel.unsharded): no pipeline, no per-layer
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxscale.models.attention import Placement
+from jaxscale.models.latent import CACHE
 
 GLOBAL, LOCAL = "global", "local"  # the cache's stacks: global layers', sliding-window layers'
 
@@ -33,6 +35,9 @@ def init_cache(spec, batch: int, max_len: int, dtype=jnp.float32) -> dict:
     kinds = spec.layer_kinds
     layers = Counter(stack_of(kinds[i % len(kinds)]) for i in range(spec.num_layers))
     slots = {GLOBAL: max_len, LOCAL: min(spec.sliding_window, max_len)}
+    if spec.mla.on:  # the latent and the rotary key of each token (models.latent)
+        return {name: {CACHE: jnp.zeros((count, batch, slots[name], spec.mla.cached), dtype)}
+                for name, count in layers.items()}
     return {name: {n: jnp.zeros((count, batch, slots[name], spec.num_kv_heads, spec.head_size), dtype)
                    for n in ("k", "v")} for name, count in layers.items()}
 

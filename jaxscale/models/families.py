@@ -48,6 +48,7 @@ FAMILIES: dict[str, Architecture] = {
     # Mixtures of experts: the structure of their dense relatives; model.moe.* sets the experts.
     "mixtral": LLAMA,
     "qwen3_moe": dataclasses.replace(LLAMA, qk_norm=True),
+    "deepseek_v3": LLAMA,  # with model.mla's latent attention and model.moe's sigmoid-scored, grouped experts
 }
 assert tuple(FAMILIES) == FAMILY_NAMES, "names.FAMILIES lists the config's choices: keep it in step"
 

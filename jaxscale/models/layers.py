@@ -174,16 +174,27 @@ class Attention(nnx.Module):
             cache = dict(k=write_cache(cache["k"], k_BLKE, positions_BL),
                          v=write_cache(cache["v"], v_BLKE, positions_BL))
             out_BLHE = cached_attention(q_BLHE, cache["k"], cache["v"], positions_BL, **masks)
-        elif self.strategy.context != "none":  # tokens in zig-zag order (see LanguageModel.loss)
-            ring = functools.partial(context.attention, layout=self.strategy.layout, mode=self.strategy.context,
-                                     block=self.block)
-            out_BLHE = kept(ring)(q_BLHE, k_BLKE, v_BLKE, positions_BL, places.segments)
         else:
-            out_BLHE = self_attention(q_BLHE, k_BLKE, v_BLKE, places, self.impl, self.block, self.strategy.layout,
-                                      **masks)
-        out_BLHE = constrain(out_BLHE, self.strategy.layout, ("batch", "act_length", "act_heads", "head_dim"))
-        out_BLD = self.matmul(out_BLHE, self.wo[...], 2)
+            out_BLHE = causal(q_BLHE, k_BLKE, v_BLKE, places, self, **masks)
+        out_BLD = output(self, out_BLHE)
         return (out_BLD + self.bias_o[...] if hasattr(self, "bias_o") else out_BLD), cache
+
+
+def causal(q_BLHE, k_BLKE, v_BLKE, places: Placement, layer, window: int = 0, softcap: float = 0.0):
+    """Training's causal attention of an attention layer (its kernel, block and strategy): the
+    ring or all-gather of context parallelism (tokens in zig-zag order, see LanguageModel.loss),
+    else the layer's kernel on each device's rows."""
+    s = layer.strategy
+    if s.context != "none":
+        ring = functools.partial(context.attention, layout=s.layout, mode=s.context, block=layer.block)
+        return kept(ring)(q_BLHE, k_BLKE, v_BLKE, places.positions, places.segments)
+    return self_attention(q_BLHE, k_BLKE, v_BLKE, places, layer.impl, layer.block, s.layout, window, softcap)
+
+
+def output(layer, out_BLHE):
+    """The heads' output [B, L, H, E] projected back to d_model by the layer's wo [H, E, D]."""
+    out_BLHE = constrain(out_BLHE, layer.strategy.layout, ("batch", "act_length", "act_heads", "head_dim"))
+    return layer.matmul(out_BLHE, layer.wo[...], 2)
 
 
 @dataclasses.dataclass(frozen=True)

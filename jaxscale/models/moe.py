@@ -65,10 +65,13 @@ class MoESpec:
     num_experts: int = 0
     top_k: int = 2
     capacity_factor: float = 1.25
-    every_n_layers: int = 1     # layer i (from 1) is MoE when i % every_n_layers == 0
+    every_n_layers: int = 1     # layer i (from 1, after the first_dense) is MoE when i % every_n_layers == 0
+    first_dense: int = 0        # dense layers before the others (DeepSeek-V3's first_k_dense_replace)
     d_ff: int = 0               # expert hidden size; 0 = model.d_ff
     num_shared: int = 0         # shared experts every token goes through (one MLP of num_shared x d_ff)
     bias_rate: float = 0.0      # auxiliary-loss-free balancing: the selection bias's step per update
+    selection_bias: bool = False  # a per-expert bias on the selection scores even when bias_rate is 0
+                                  # (an imported DeepSeek-V3's e_score_correction_bias, kept as trained)
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
     score: str = "softmax"      # softmax | sigmoid (DeepSeek-V3: each logit on its own), in float32
@@ -76,6 +79,15 @@ class MoESpec:
     expert_groups: int = 1      # DeepSeek's group-limited routing (HF n_group): consecutive groups of experts
     top_groups: int = 1         # ... of which a token may choose only in its top_groups best (HF topk_group)
     routed_scale: float = 1.0   # combine weights x this (HF routed_scaling_factor; DeepSeek-V3: 2.5)
+
+    @property
+    def biased(self) -> bool:
+        """Whether the MoE layers hold a selection bias (`bias_balance`)."""
+        return self.selection_bias or self.bias_rate > 0
+
+    def moe_layers(self, num_layers: int) -> int:
+        """How many of a model's `num_layers` layers are MoE layers."""
+        return (num_layers - self.first_dense) // self.every_n_layers
 
     def router(self) -> dict:
         """`route`'s scoring and selection options."""
@@ -201,7 +213,7 @@ class MoE(nnx.Module):
                          lambda n, output: (normal(rngs, (X, F, D), EXPERT_AXES[f"w_{n}"], out_std) if output else
                                             normal(rngs, (X, D, F), EXPERT_AXES[f"w_{n}"], cfg.init_std)),
                          lambda n, output: zeros((X, D) if output else (X, F), EXPERT_AXES[f"bias_{n}"]))
-        if m.bias_rate:  # moved by `balance` after each step, never by the optimizer (no gradient)
+        if m.biased:  # moved by `balance` after each step, never by the optimizer (no gradient)
             self.bias_balance = zeros((X,), ("router",))
         if m.num_shared:  # DeepSeek's shared experts: a dense MLP beside the routed ones
             shared = dataclasses.replace(cfg, d_ff=m.num_shared * F)
@@ -216,7 +228,7 @@ class MoE(nnx.Module):
         logits_BLX = jnp.einsum("BLD,DX->BLX", x_BLD.astype(jnp.float32), self.router[...].astype(jnp.float32))
         s, length = self.strategy, x_BLD.shape[1]
         order = None if s.context == "none" else context.zigzag_order(length, s.mesh.shape[context.AXIS])
-        bias = self.bias_balance[...] if self.spec.bias_rate else None
+        bias = self.bias_balance[...] if self.spec.biased else None
         routing = route(constrain(logits_BLX, s.layout, ("batch", "act_length", None)), self.spec.top_k,
                         capacity(length, self.spec), order, bias, **self.spec.router())
         cap = 0 if self.spec.capacity_factor == 0 else capacity(length, self.spec)

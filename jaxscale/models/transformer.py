@@ -23,6 +23,7 @@ from jaxscale.kernels.flash import soft_cap
 from jaxscale.models import decoding, fp8, periods, pipelined
 from jaxscale.models.attention import KEPT, Placement, document_positions, resolve_impl
 from jaxscale.models.families import Architecture, check, head_size, period, preset
+from jaxscale.models.latent import LatentAttention, LatentSpec
 from jaxscale.models.layers import AXES_KEY, INNER, MLP, RESIDUAL, Attention, LayerKind, norm, normal
 from jaxscale.models.moe import EXPERT_LOAD, LOAD, MAX_LOAD, STATS, MoE, MoESpec
 from jaxscale.models.precision import compute_dtype
@@ -76,6 +77,7 @@ class ModelSpec:
     attention_impl: str = "xla"       # a concrete kernel: xla | cudnn | splash (see models.attention.resolve_impl)
     attention_block: int = 512        # the blockwise kernel's tile edge (model.attention.block_size)
     moe: MoESpec = MoESpec()          # mixture of experts (moe.num_experts 0: every MLP dense); a dict is taken too
+    mla: LatentSpec = LatentSpec()    # multi-head latent attention (mla.kv_lora_rank 0: GQA); a dict is taken too
     strategy: Strategy = Strategy()   # how the forward splits over devices (default: one program)
     weights: fsdp.Weights = fsdp.Weights()  # compute and gradient-reduction dtypes of the weights
 
@@ -83,12 +85,12 @@ class ModelSpec:
     def from_config(cls, model_cfg, attention_impl: str = "xla", strategy: Strategy = Strategy(),
                     scan_layers: bool = True, cpu_matmul: bool = False,
                     weights: fsdp.Weights = fsdp.Weights()) -> ModelSpec:
-        names = {f.name for f in dataclasses.fields(cls)} - {"moe", "strategy", "scan_layers", "cpu_matmul", "weights"}
+        names = {f.name for f in dataclasses.fields(cls)} - {"moe", "mla", "strategy", "scan_layers", "cpu_matmul",
+                                                             "weights"}
         values = {k: v for k, v in model_cfg.items() if k in names}
-        if "rope_scaling" in model_cfg:
-            values["rope_scaling"] = RopeScaling(**model_cfg.rope_scaling.to_dict())
-        if "moe" in model_cfg:
-            values["moe"] = MoESpec(**model_cfg.moe.to_dict())
+        for name, kind in (("rope_scaling", RopeScaling), ("moe", MoESpec), ("mla", LatentSpec)):
+            if name in model_cfg:
+                values[name] = kind(**model_cfg[name].to_dict())
         if "attention" in model_cfg:
             values["attention_block"] = model_cfg.attention.block_size
         return cls(**values, attention_impl=attention_impl, strategy=strategy, scan_layers=scan_layers,
@@ -99,6 +101,8 @@ class ModelSpec:
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         if isinstance(self.moe, dict):  # as model_config_from_hf gives a mixture of experts' fields
             object.__setattr__(self, "moe", MoESpec(**self.moe))
+        if isinstance(self.mla, dict):  # as model_config_from_hf gives latent attention's fields
+            object.__setattr__(self, "mla", LatentSpec(**self.mla))
         if self.architecture is not None:
             check(self.architecture)
 
@@ -135,7 +139,8 @@ class Block(nnx.Module):
         self.attn_norm, self.mlp_norm = norm(spec), norm(spec)
         if spec.arch.sandwich_norm:
             self.attn_post_norm, self.mlp_post_norm = norm(spec), norm(spec)
-        self.attn, self.layout = Attention(spec, rngs), spec.strategy.layout
+        self.attn = LatentAttention(spec, rngs) if spec.mla.on else Attention(spec, rngs)
+        self.layout = spec.strategy.layout
         self.mlp = MoE(spec, rngs) if moe else MLP(spec, rngs)
 
     def _join(self, x_BLD, branch_BLD, post: str):
@@ -171,15 +176,19 @@ class MoEBlock(Block):
 
 
 class MoEStacks(nnx.Module):
-    """An MoE model's layers as groups of moe.every_n_layers: n-1 dense blocks, then an MoE block.
+    """An MoE model's layers: moe.first_dense dense blocks, then groups of moe.every_n_layers:
+    n-1 dense blocks, then an MoE block.
 
-    Two stacks, each with a leading 'layers' dimension: `dense` ([groups*(n-1), ...], absent when
-    n = 1) and `moe` ([groups, ...]); group g is dense layers g*(n-1) ... g*(n-1)+n-2, then MoE layer g.
+    Up to three stacks, each with a leading 'layers' dimension: `first` ([first_dense, ...],
+    absent when 0), `dense` ([groups*(n-1), ...], absent when n = 1) and `moe` ([groups, ...]);
+    group g is dense layers g*(n-1) ... g*(n-1)+n-2, then MoE layer g.
     """
 
     def __init__(self, spec: ModelSpec, rngs: nnx.Rngs):
-        n = spec.moe.every_n_layers
-        groups = spec.num_layers // n
+        n, first = spec.moe.every_n_layers, spec.moe.first_dense
+        groups = spec.moe.moe_layers(spec.num_layers)
+        if first:
+            self.first = _stacked(lambda r: Block(spec, r), first, rngs)
         if n > 1:
             self.dense = _stacked(lambda r: Block(spec, r), groups * (n - 1), rngs)
         self.moe = _stacked(lambda r: MoEBlock(spec, r), groups, rngs)
@@ -397,10 +406,19 @@ class Transformer(nnx.Module):
         return run_layers(stacked, x_BLD, places)
 
     def _scan_groups(self, x_BLD, places, cache=None):
-        """An MoE model's layers (see MoEStacks), scanned over groups: (x_BLD, the updated cache or
-        None, the router statistics averaged over the MoE layers). Remat, as set, per layer."""
-        x_BLD, cache, means, load_GX = self._groups()(nnx.to_pure_dict(nnx.split(self.layers)[1]), x_BLD,
-                                                      places, cache)
+        """An MoE model's layers (see MoEStacks): the first dense layers, then the groups, scanned:
+        (x_BLD, the updated cache or None, the router statistics averaged over the MoE layers).
+        Remat, as set, per layer."""
+        params, first = nnx.to_pure_dict(nnx.split(self.layers)[1]), self.spec.moe.first_dense
+        head = None
+        if first:
+            head, cache = (None, None) if cache is None else (jax.tree.map(lambda c: c[:first], cache),
+                                                              jax.tree.map(lambda c: c[first:], cache))
+            x_BLD, head = self._loop(self.layers.first, unroll=not self.spec.scan_layers)(
+                params["first"], x_BLD, places, head)
+        x_BLD, cache, means, load_GX = self._groups()(params, x_BLD, places, cache)
+        if head is not None:
+            cache = jax.tree.map(lambda h, c: jnp.concatenate([h, c]), head, cache)
         return x_BLD, cache, self.router_stats(means, load_GX)
 
     def router_stats(self, means: dict, load_GX) -> dict:
@@ -418,7 +436,7 @@ class Transformer(nnx.Module):
         layer, on whichever groups the parameters hold (all of them, or a pipeline stage's, whose
         shares the executor adds up over stages)."""
         n = self.spec.moe.every_n_layers
-        model_groups = self.spec.num_layers // n
+        model_groups = self.spec.moe.moe_layers(self.spec.num_layers)
         moe_def, moe_state = nnx.split(self.layers.moe)
         moe_dims = self._stored_dims(moe_state)
         dense_layers = self._loop(self.layers.dense) if n > 1 else None
@@ -567,7 +585,7 @@ class LanguageModel:
         if m.num_experts:
             shapes[EXPERT_LOAD] = (m.num_experts,)
         if m.num_experts and m.bias_rate:
-            shapes[LOAD] = (self.spec.num_layers // m.every_n_layers, m.num_experts)
+            shapes[LOAD] = (m.moe_layers(self.spec.num_layers), m.num_experts)
         return shapes
 
     def extra_loss(self, stats: dict):
@@ -609,7 +627,7 @@ def model_from_config(config, platform: str, layout: Layout | None = None) -> tu
     m = config.model
     impl, note = resolve_impl(m.attention.impl, platform, compute_dtype(m.dtype, platform), head_size(m),
                               config.data.document_mask, config.train.seq_len, config.train.deterministic,
-                              m.attn_logit_softcap)
+                              m.attn_logit_softcap, m.mla.kv_lora_rank > 0)
     strategy = Strategy() if layout is None else Strategy.for_layout(
         layout, schedule=config.pipeline.schedule, microbatches=config.pipeline.microbatches,
         virtual_stages=config.pipeline.virtual_stages, context=m.attention.context_parallel,

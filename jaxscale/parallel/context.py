@@ -82,7 +82,7 @@ def _ring_fwd(q, k, v, pos, seg, shards, block):
         out, lse = flash.merge(out, lse, *flash.forward(q, k_h, v_h, pos, pos_h, seg, seg_h, block, block))
         return out, lse, following
 
-    empty = (jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:-1], flash.EMPTY, jnp.float32))
+    empty = (jnp.zeros((*q.shape[:-1], v.shape[-1]), jnp.float32), jnp.full(q.shape[:-1], flash.EMPTY, jnp.float32))
     out, lse, _ = _ring_hops(hop, (*empty, (k, v, pos, seg)), shards)
     out = out.astype(q.dtype)
     return out, (q, k, v, pos, seg, out, lse)
