@@ -54,6 +54,9 @@ def _add_model(c: ml_collections.ConfigDict) -> None:
         head_chunk_mib=256.0,  # the training loss runs over the vocabulary in chunks of at most this many MiB of
                                # float32 logits per device (models/vocab.py); 0 = the whole vocabulary at once
         z_loss_weight=0.0,     # + this x mean(logsumexp(logits)^2) in the objective (PaLM's z-loss; 1e-4 typical)
+        mtp_depth=0,           # multi-token prediction modules after the model (DeepSeek-V3: 1): module k
+                               # predicts the token k+1 places past the next (models/prediction.py)
+        mtp_loss_weight=0.3,   # + this x their mean cross entropy in the objective (logged as mtp_loss)
         layer_pattern="G",     # each layer's attention, repeated over the layers: G global, L a sliding window
                                # (Gemma 2: LG, Gemma 3: LLLLLG; layer i takes character i mod the length)
         sliding_window=0,      # the L layers' window: each query sees itself and the window - 1 tokens before it

@@ -21,11 +21,12 @@ BATCH_AXES = ("data", "fsdp", "expert")
 # so one table serves every layout. Overridable from config: --config.sharding.rules.NAME=a,b
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     # parameters
-    "embed": ("fsdp",),
+    "embed": ("fsdp", "expert"),  # a weight's model dimension; the experts' is split over fsdp only (their own
+                                  # dimension takes expert first: each mesh axis splits one dimension)
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim": (),
-    "latent": ("fsdp",),     # latent attention's compressed width (model.mla): a contraction, split as embed is
+    "latent": ("fsdp", "expert"),  # latent attention's compressed width (model.mla): a contraction, as embed
     "mlp": ("tensor",),
     "vocab": ("tensor",),
     "layers": ("pipeline",),

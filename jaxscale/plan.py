@@ -24,7 +24,7 @@ from jaxscale import cli
 from jaxscale.analysis import hlo_stats, topology
 from jaxscale.analysis.plan_types import ByAxis, Plan, TopologySummary, to_json
 from jaxscale.analysis.step_plan import compile_plan, describe
-from jaxscale.errors import ConfigError
+from jaxscale.errors import ConfigError, RunError
 from jaxscale.tracking.fields import flat_config
 
 USAGE = ("usage: python -m jaxscale.plan --config=PATH [--config.section.key=value ...] [--json] [--hlo=FILE] "
@@ -146,7 +146,7 @@ def _plan(config, path: str, flags: dict) -> None:
     if flags.get("search"):
         return _search(config, path, flags)
     platform, devices, limit, pod = _target(flags)
-    run, compiled, seconds = compile_plan(config, platform or jax.default_backend(), devices)
+    run, compiled, seconds = _compile(config, platform or jax.default_backend(), devices)
     if flags.get("hlo"):  # the compiled step's HLO, as the compiler optimised it
         with open(flags["hlo"], "w") as file:
             file.write(compiled.as_text())
@@ -158,6 +158,20 @@ def _plan(config, path: str, flags: dict) -> None:
     print(json.dumps(result.to_json(), indent=2) if flags.get("json") else table(result))
     for line in warnings if not flags.get("json") else []:
         print(line, file=sys.stderr)
+
+
+def _compile(config, platform: str, devices):
+    """compile_plan, a compiler that runs out of device memory compiling the step (the TPU
+    compiler does: it places every buffer) said in one line as the layout not fitting."""
+    try:
+        return compile_plan(config, platform, devices)
+    except jax.errors.JaxRuntimeError as error:
+        message = str(error).strip().splitlines()[0]
+        if "RESOURCE_EXHAUSTED" not in message:
+            raise
+        raise RunError(f"the layout does not fit: the {platform.upper()} compiler says {message}; split the "
+                       "state further (mesh.fsdp, mesh.expert, mesh.tensor, zero_stage), remat (model.remat=full) "
+                       "or fewer rows a device (train.global_batch_size, train.grad_accum_steps)") from None
 
 
 def search_target(topology_name: str | None = None, memory_gb: float | None = None, devices=None):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import jax
 from jax.sharding import Mesh, NamedSharding
@@ -22,6 +23,14 @@ from jaxscale.mesh import make_mesh
 from jaxscale.names import AXES, DEFAULT_RULES, split_ways
 
 Entries = tuple[tuple[str, ...], ...]  # a PartitionSpec as one tuple of mesh axes per dimension
+
+
+class Stored(NamedTuple):
+    """Where a parameter is stored, and of those splits the ones a layer keeps where it uses the
+    parameter (the experts' over `expert`: each device runs its own experts); the rest it gathers."""
+
+    split: Entries
+    kept: Entries
 
 
 def entries(spec: P, ndim: int) -> Entries:
@@ -129,8 +138,8 @@ class Layout:
     @property
     def weight_axes(self) -> tuple[str, ...]:
         """The batch axes that may split weights for storage: those a dense weight's rule names
-        (fsdp), and `data` (ZeRO-3). The rest of the batch's axes (expert) never split a weight
-        that a layer gathers."""
+        (fsdp, and by default expert), and `data` (ZeRO-3). Those a dense weight's rule does not
+        name never split a weight that a layer gathers."""
         named = {a for name in DENSE_WEIGHTS for a in self.rules.get(name, ())}
         return tuple(a for a in self.rules["batch"] if a in named or a == "data")
 
@@ -158,6 +167,11 @@ class Layout:
         """Where a parameter with these logical names and (whole) shape is stored, as the state
         places it (ZeRO-3 included): one tuple of mesh axes per dimension."""
         return entries(self.param_spec(names, shape, self.zero_stage >= 3), len(shape))
+
+    def placed(self, names: tuple[str, ...], shape: tuple[int, ...]) -> Stored:
+        """`stored`, with the splits a layer keeps: those of the dimension named `experts`."""
+        split = self.stored(names, shape)
+        return Stored(split, tuple(e if name == "experts" else () for name, e in zip(names, split)))
 
     def reduces_in_float32(self, dtype) -> bool:
         """`reduces_in_float32` for this layout's compiler."""
@@ -250,14 +264,11 @@ def check_rules(config, sizes: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
         for axis in axes:
             require(axis in AXES, f"sharding.rules.{name}", ",".join(axes),
                     f"'{axis}' is not a mesh axis; use {', '.join(AXES)}")
-        require(name not in DENSE_WEIGHTS or "expert" not in axes, f"sharding.rules.{name}", ",".join(axes),
-                "'expert' splits the experts of MoE layers (and the batch elsewhere), not dense weights; "
-                "split them over fsdp or tensor")
     return rules
 
 
-# Logical axes of the weights outside MoE layers' experts: layers gather what fsdp splits, and
-# use the experts' `expert` split as it is.
+# Logical axes of the weights outside MoE layers' experts: layers gather what fsdp and expert split
+# (the experts' own `expert` split they use as it is: Stored.kept).
 DENSE_WEIGHTS = ("embed", "heads", "kv_heads", "head_dim", "latent", "mlp", "vocab", "position", "norm", "router")
 
 

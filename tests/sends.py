@@ -65,8 +65,8 @@ def assert_sends(plan: dict, spec: dict, sizes: Sizes, rel: float = 0.10) -> Non
 
 def param_groups(config) -> dict[str, int]:
     """A dense model's parameter count from its config alone, by how the rules split them:
-    `layers` (pipeline, fsdp, tensor), `layer_vectors` (norm scales and biases along d_model:
-    pipeline only), `other` (embedding, head, learned positions: fsdp, tensor), `vectors` (the
+    `layers` (pipeline, fsdp, expert, tensor), `layer_vectors` (norm scales and biases along d_model:
+    pipeline only), `other` (embedding, head, learned positions: fsdp, expert, tensor), `vectors` (the
     final norm: whole)."""
     m = config.model
     D, H, K, F, V, L = m.d_model, m.num_heads, m.num_kv_heads, m.d_ff, m.vocab_size, m.num_layers
@@ -87,7 +87,7 @@ def state_bytes(config, devices: int) -> dict[str, float]:
     from jaxscale.mesh import resolve_shape
 
     shape, zero, n = resolve_shape(config.mesh, devices), config.zero_stage, param_groups(config)
-    model_parallel = shape["fsdp"] * shape["tensor"]
+    model_parallel = shape["fsdp"] * shape["expert"] * shape["tensor"]
     spread = (n["layers"] / (shape["pipeline"] * model_parallel) + n["layer_vectors"] / shape["pipeline"]
               + n["other"] / model_parallel + n["vectors"])
 

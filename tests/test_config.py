@@ -40,6 +40,7 @@ def test_the_model_configs_have_their_checkpoints_parameter_counts(name):
     from jaxscale.models import LanguageModel, ModelSpec
 
     shapes = LanguageModel(ModelSpec.from_config(config_lib.load(str(ROOT / "configs" / f"{name}.py")).model)).shapes
+    shapes.pop("mtp", None)  # published counts are the model's, without its multi-token prediction modules
     count = sum(x.size for x in jax.tree.leaves(shapes))
     assert count == pytest.approx(PUBLISHED_PARAMS[name], rel=5e-3), count
 
@@ -155,6 +156,9 @@ def test_a_path_on_the_command_line_means_the_file_source():
     (["model.mla.kv_lora_rank=32", "model.layer_pattern=LG", "model.sliding_window=8"], "model.layer_pattern",
      "no sliding-window layers"),
     (["model.mla.kv_lora_rank=30", "mesh.fsdp=4", "mesh.data=2"], "model.mla.kv_lora_rank", "split 4 ways"),
+    (["model.mtp_depth=-1"], "model.mtp_depth", ">= 0"),
+    (["model.mtp_depth=1", "mesh.data=4", "mesh.pipeline=2"], "model.mtp_depth", "set mesh.pipeline=1"),
+    (["model.mtp_depth=1", "mesh.data=4", "mesh.sequence=2"], "model.mtp_depth", "set mesh.sequence=1"),
 ])
 def test_bad_input_names_field(overrides, field, words):
     error = _error(overrides)

@@ -380,8 +380,10 @@ def test_expert_weights_split_over_expert_and_tensor():
     mlp, mu = shardings.params["layers"]["moe"]["mlp"], shardings.opt_state[1][0].mu["layers"]["moe"]["mlp"]
     assert mlp["w_gate"].spec == P(None, "expert", "fsdp", "tensor") == mu["w_gate"].spec
     assert mlp["w_down"].spec == P(None, "expert", "tensor", "fsdp")
-    assert mlp["router"].spec == P(None, "fsdp")  # every expert group routes its own tokens
-    assert shardings.params["layers"]["dense"]["mlp"]["w_up"].spec == P(None, "fsdp", "tensor")
+    # Every other weight's model dimension is split over fsdp x expert (gathered where it is used)
+    assert mlp["router"].spec == P(None, ("fsdp", "expert"))
+    assert shardings.params["layers"]["dense"]["mlp"]["w_up"].spec == P(None, ("fsdp", "expert"), "tensor")
+    assert shardings.params["layers"]["moe"]["attn"]["wq"].spec == P(None, ("fsdp", "expert"), "tensor")
     assert layout.batch_sharding().spec == P(("fsdp", "expert"))  # expert is a batch axis elsewhere
     gpt2 = ModelSpec(**{**SPEC.__dict__, "family": "gpt2", "max_seq_len": 64})
     specs = build_for(gpt2, data=2, expert=4).shardings.params["layers"]["moe"]["mlp"]
@@ -390,10 +392,12 @@ def test_expert_weights_split_over_expert_and_tensor():
 
 def test_planner_divides_expert_weights_by_expert():
     """tiny_moe.py on data=2 x expert=4, by hand from the config: each device holds a quarter of
-    the experts' weights (gate, up, down: 3 x d_model x moe.d_ff each, in every MoE layer) and
-    every other parameter whole (4 layers of attention and norms, 2 dense SwiGLU MLPs, 2 routers,
-    the tied table and the final norm): 4 bytes a parameter for params and grads, 8 for Adam's
-    moments."""
+    the experts' weights (gate, up, down: 3 x d_model x moe.d_ff each, in every MoE layer) and a
+    quarter of every other matrix (4 layers of attention, 2 dense SwiGLU MLPs, 2 routers, the tied
+    table: their d_model split over expert as over fsdp), the norms whole: 4 bytes a parameter for
+    params and grads, 8 for Adam's moments. The layers gather their matrices whole over expert
+    (forward only: no remat), the loss gathers the table's chunks forward and backward and the
+    expert group's target ids once; tokens travel to the experts by all-to-all."""
     from jaxscale.plan import make_plan
 
     config = config_lib.load(str(ROOT / "configs" / "tiny_moe.py"))
@@ -403,16 +407,20 @@ def test_planner_divides_expert_weights_by_expert():
     head_dim, moe_layers = m.d_model // m.num_heads, m.num_layers // m.moe.every_n_layers
     attention = 2 * m.d_model * (m.num_heads + m.num_kv_heads) * head_dim
     experts = moe_layers * m.moe.num_experts * 3 * m.d_model * m.moe.d_ff
-    whole = (m.num_layers * (attention + 2 * m.d_model) + (m.num_layers - moe_layers) * 3 * m.d_model * m.d_ff
-             + moe_layers * m.d_model * m.moe.num_experts + m.vocab_size * m.d_model + m.d_model)
+    layer_matrices = (m.num_layers * attention + (m.num_layers - moe_layers) * 3 * m.d_model * m.d_ff
+                      + moe_layers * m.d_model * m.moe.num_experts)
+    table, norms = m.vocab_size * m.d_model, (2 * m.num_layers + 1) * m.d_model
     plan = make_plan(config)
-    assert plan["num_params"] == whole + experts == 1_707_136
-    per_device = whole + experts / config.mesh.expert
+    assert plan["num_params"] == layer_matrices + table + norms + experts == 1_707_136
+    per_device = (layer_matrices + table + experts) / config.mesh.expert + norms
     for key, bytes_per_param in (("params", 4), ("grads", 4), ("opt_state", 8)):
         assert plan["per_device_bytes"][key] == pytest.approx(bytes_per_param * per_device, rel=0.01), key
-    # two all-to-alls (dispatch, combine) per MoE layer forward, two more backward: 2 MoE layers
-    assert plan["collectives"]["all-to-all"]["count"] == 8
-    assert plan["collectives"]["all-gather"]["count"] == 0  # tokens are never gathered
+    group_rows = config.train.global_batch_size // config.mesh.data
+    gathered = 4 * (layer_matrices + 2 * table) + 4 * group_rows * config.train.seq_len
+    assert plan["collectives"]["all-gather"]["bytes"] == gathered
+    # two all-to-alls (dispatch, combine) per MoE layer forward, two more backward: 2 MoE layers;
+    # and the embeddings' rows back to their devices from the table's split, forward and backward
+    assert plan["collectives"]["all-to-all"]["count"] == 8 + 2
 
 
 @pytest.mark.parametrize("family, every", [("llama", 2), ("gpt2", 1)])
@@ -460,8 +468,6 @@ def test_active_parameters_for_mfu():
      "multiple of 8"),
     (["model.moe.num_experts=8", "mesh.expert=2", "sharding.rules.batch='data,fsdp'"], "sharding.rules.batch",
      "add expert"),
-    (["model.moe.num_experts=8", "mesh.expert=2", "sharding.rules.embed='fsdp,expert'"], "sharding.rules.embed",
-     "not dense weights"),
     (["model.moe.num_experts=8", "mesh.expert=4", "mesh.data=2", "train.global_batch_size=4"],
      "train.global_batch_size", "8 batch shards (data=2xexpert=4)"),
     (["model.moe.num_experts=8", "model.moe.score=foo"], "model.moe.score", "choose one of softmax, sigmoid"),

@@ -132,8 +132,9 @@ def estimate(config, layout: Candidate, counts: dict[str, int], flops_per_token:
     in_flight = s["pipeline"] if s["pipeline"] > 1 else 1
     logits = min(m.head_chunk_mib * 2**20 or math.inf, micro * m.vocab_size / s["tensor"] * 4)
     total = state["params"] + state["grads"] + state["opt_state"] + activations * in_flight + 2 * logits
-    model_bytes = width * (counts["layers"] - counts["experts"] + counts["experts"] / s["expert"]
-                           + counts["other"]) / (s["tensor"] * s["pipeline"])
+    per_stage = width / (s["tensor"] * s["pipeline"])  # the bytes of a parameter on a stage's tensor shard
+    model_bytes = (per_stage * (counts["layers"] - counts["experts"] + counts["other"]),  # gathered over fsdp x expert
+                   per_stage * counts["experts"] / s["expert"])  # a device's experts: gathered over fsdp
     temp = activations * in_flight + state["grads"]
     return StepWork(s, layout.remat, PipelineSummary(stages=s["pipeline"], bubble_fraction=bubble(layout)),
                     Flops(None, flops_per_token * tokens / math.prod(s.values())),
@@ -152,15 +153,16 @@ def _saved_per_token(m, remat: str, tensor: int) -> float:
     return (4 * m.d_model + kv + 4 * m.d_ff) / tensor + 4 * m.d_model
 
 
-def _collectives(config, layout: Candidate, tokens: float, model_bytes: float,
+def _collectives(config, layout: Candidate, tokens: float, model_bytes: tuple[float, float],
                  width: int) -> dict[str, AxisCollective]:
     """{mesh axis: its collectives' count and sent bytes} a device runs a step (`tokens`: its tokens a step;
-    `width`: the bytes of an element), by ring arithmetic: weights gathered twice and gradients
-    reduce-scattered over fsdp (and over data at ZeRO-3; gradients all-reduced over data below
-    it), two all-reduces of the activations a layer forward and two backward over tensor (three
-    each with full remat), K and V passed round the sequence ring (forward, and twice backward),
-    tokens to experts and back over expert, and each microbatch's activations and gradients
-    between pipeline stages."""
+    `width`: the bytes of an element; `model_bytes`: a stage's dense weights and a device's
+    experts), by ring arithmetic: weights gathered twice and gradients reduce-scattered over fsdp
+    (the dense weights over fsdp x expert: the part past fsdp's ring on the expert row; and over
+    data at ZeRO-3; gradients all-reduced over data below it), two all-reduces of the activations
+    a layer forward and two backward over tensor (three each with full remat), K and V passed
+    round the sequence ring (forward, and twice backward), tokens to experts and back over
+    expert, and each microbatch's activations and gradients between pipeline stages."""
     m, s = config.model, layout.sizes
     layers = m.num_layers / s["pipeline"]
     act = tokens * m.d_model * width  # a device's activations of one layer, its whole batch of a step
@@ -170,10 +172,12 @@ def _collectives(config, layout: Candidate, tokens: float, model_bytes: float,
     def ring(n: int) -> float:
         return (n - 1) / n
 
+    dense, experts = model_bytes
     if s["fsdp"] > 1:
-        rows["fsdp"] = AxisCollective(count=3 * layers, sent_bytes=3 * model_bytes * ring(s["fsdp"]))
+        rows["fsdp"] = AxisCollective(count=3 * layers, sent_bytes=3 * (dense + experts) * ring(s["fsdp"]))
+    gathers = AxisCollective(count=3 * layers, sent_bytes=3 * dense * (ring(s["fsdp"] * s["expert"]) - ring(s["fsdp"])))
     if s["data"] > 1:
-        shard = model_bytes / s["fsdp"]
+        shard = dense / (s["fsdp"] * s["expert"]) + experts / s["fsdp"]
         passes = 3 if layout.zero_stage == 3 else 2
         rows["data"] = AxisCollective(count=passes * layers, sent_bytes=passes * shard * ring(s["data"]))
     if s["tensor"] > 1:
@@ -185,9 +189,9 @@ def _collectives(config, layout: Candidate, tokens: float, model_bytes: float,
         rows["sequence"] = AxisCollective(count=3 * layers * (s["sequence"] - 1) * chunks,
                                           sent_bytes=3 * layers * kv * (s["sequence"] - 1))
     if s["expert"] > 1:
-        moe_layers = layers / max(1, m.moe.every_n_layers)
-        rows["expert"] = AxisCollective(count=4 * moe_layers * chunks,
-                                        sent_bytes=4 * moe_layers * act * m.moe.top_k * ring(s["expert"]))
+        moe_layers = (m.num_layers - m.moe.first_dense) / max(1, m.moe.every_n_layers) / s["pipeline"]
+        rows["expert"] = AxisCollective(count=4 * moe_layers * chunks + gathers.count, sent_bytes=gathers.sent_bytes
+                                        + 4 * moe_layers * act * m.moe.top_k * ring(s["expert"]))
     if s["pipeline"] > 1:
         rows["pipeline"] = AxisCollective(count=2 * layout.microbatches * layout.virtual,
                                           sent_bytes=2 * act * layout.virtual)

@@ -15,9 +15,10 @@ from jaxscale.models.moe import expert_param_count
 
 def param_counts(model) -> dict[str, int]:
     """The model's parameters by how the rules split them: `layers` (the stacked layers' weights:
-    pipeline, fsdp, tensor; `experts` of them over expert too), `layer_vectors` (the layers'
-    vectors along d_model, norm scales and biases: pipeline only), `other` (embedding and head:
-    fsdp, tensor) and `vectors` (the final norm: never)."""
+    pipeline, fsdp, expert, tensor; of them `experts`, the experts' weights, whose own dimension
+    takes expert), `layer_vectors` (the layers' vectors along d_model, norm scales and biases:
+    pipeline only), `other` (embedding and head: fsdp, expert, tensor) and `vectors` (the final
+    norm: never)."""
     counts = dict.fromkeys(("layers", "layer_vectors", "other", "vectors"), 0)
     axes = jax.tree.leaves(model.axes, is_leaf=lambda x: isinstance(x, tuple))
     for names, shape in zip(axes, jax.tree.leaves(model.shapes), strict=True):
@@ -32,10 +33,9 @@ def expected_bytes(counts: dict[str, int], shape: Mapping[str, int], zero: int) 
     """The arithmetic: params 4N, grads 4N, Adam 8N, each divided by the devices that split it
     (`param_counts` says which split what) on a mesh of `shape`; ZeRO stage `zero` adds `data` for
     optimizer state (stage >= 1), gradients (>= 2) and parameters (3)."""
-    experts = counts["experts"] / shape["expert"]
-    spread = ((counts["layers"] - counts["experts"] + experts) / (shape["pipeline"] * shape["fsdp"] * shape["tensor"])
-              + counts["layer_vectors"] / shape["pipeline"] + counts["other"] / (shape["fsdp"] * shape["tensor"])
-              + counts["vectors"])
+    split = shape["fsdp"] * shape["expert"] * shape["tensor"]
+    spread = (counts["layers"] / (shape["pipeline"] * split) + counts["layer_vectors"] / shape["pipeline"]
+              + counts["other"] / split + counts["vectors"])
 
     def per_device(bytes_per_param: int, stage: int) -> float:
         return bytes_per_param * spread / (shape["data"] if zero >= stage else 1)

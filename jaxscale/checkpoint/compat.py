@@ -7,7 +7,8 @@ from jaxscale.errors import ConfigError
 
 # Fields that decide parameter shapes (and the guard's window, part of the state).
 SHAPE_FIELDS = ("model.family", "model.num_layers", "model.d_model", "model.num_heads", "model.num_kv_heads",
-                "model.d_ff", "model.vocab_size", "model.tie_embeddings", "model.mla", "model.moe.first_dense")
+                "model.d_ff", "model.vocab_size", "model.tie_embeddings", "model.mla", "model.moe.first_dense",
+                "model.mtp_depth")
 LEARNED_POSITION_FIELDS = ("model.max_seq_len",)  # the learned position table's length
 STATE_FIELDS = ("guard.spike_window",)
 # Model options that change the function but not the shapes: allowed, but said.

@@ -8,6 +8,7 @@ The logits of the imported or exported model match the source model's (tests/tes
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -80,8 +81,10 @@ def save_hf(params: dict, spec, out_dir, max_shard_bytes: int = DEFAULT_SHARD_BY
     or shards of at most max_shard_bytes (a bigger tensor gets a shard alone) plus
     model.safetensors.index.json. Removes safetensors files of an earlier save in out_dir, which
     transformers could otherwise pick up. Arrays may be sharded over this process's devices.
+    Multi-token prediction modules (model.mtp_depth) are left out: transformers' classes hold none.
     Returns the safetensors paths written.
     """
+    spec, params = dataclasses.replace(spec, mtp_depth=0), {k: v for k, v in params.items() if k != "mtp"}
     config = hf_config_from_spec(spec)  # refuse before anything is written
     flat = flatten_dict(params, sep="/")
     _check_tree(flat, spec)

@@ -460,6 +460,9 @@ def _hf_rope_scaling(scaling) -> dict:
 
 def check_spec_matches(spec, hf_dir) -> None:
     """Raise ConfigError naming the first model.* field where `spec` differs from the checkpoint."""
+    _refuse_unless(not spec.mtp_depth, "model.mtp_depth", spec.mtp_depth, "Hugging Face's classes hold no "
+                   "multi-token prediction modules (a DeepSeek-V3 checkpoint's are not imported); import with "
+                   "model.mtp_depth=0")
     hf = model_config_from_hf(hf_dir)
     # rope_theta means nothing without RoPE, and max_seq_len shapes a parameter only when positions are learned.
     position = preset(hf["family"]).position

@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxscale.errors import ConfigError
 from jaxscale.kernels.flash import soft_cap
-from jaxscale.models import decoding, fp8, periods, pipelined
+from jaxscale.models import decoding, fp8, periods, pipelined, prediction
 from jaxscale.models.attention import KEPT, Placement, document_positions, resolve_impl
 from jaxscale.models.families import Architecture, check, head_size, period, preset
 from jaxscale.models.latent import LatentAttention, LatentSpec
@@ -32,7 +32,7 @@ from jaxscale.models.strategy import Strategy
 from jaxscale.models.vocab import Table, cross_entropy, embed
 from jaxscale.names import UNROLL_UP_TO
 from jaxscale.parallel import context, fsdp
-from jaxscale.sharding import Layout, constrain
+from jaxscale.sharding import Layout, Stored, constrain
 
 REMAT_POLICY_FNS = {
     "full": None,  # save nothing inside a layer: recompute it all in the backward pass
@@ -71,6 +71,8 @@ class ModelSpec:
     remat: str = "none"
     head_chunk_mib: float = 256.0     # the training loss's logits per chunk of the vocabulary (models.vocab)
     z_loss_weight: float = 0.0        # weight of the mean squared log-sum-exp of the logits in the objective
+    mtp_depth: int = 0                # multi-token prediction modules (models.prediction); 0 = none
+    mtp_loss_weight: float = 0.3      # their mean loss's weight in the objective
     scan_layers: bool = True          # False: the layers as straight-line code (resolve_layer_loop)
     cpu_matmul: bool = False          # projections with XLA:CPU's fast backward (models.matmul; one CPU device)
     fp8: bool = False                 # the layers' projections in fp8 (models.fp8)
@@ -207,6 +209,9 @@ class Transformer(nnx.Module):
         self.final_norm = norm(spec)
         if not spec.tie_embeddings:
             self.head = normal(rngs, (spec.d_model, spec.vocab_size), ("embed", "vocab"), spec.init_std)
+        if spec.mtp_depth:  # after the head: the model's own parameters draw as without them
+            block = (lambda r: MoEBlock(spec, r)) if spec.moe.num_experts else (lambda r: Block(spec, r))
+            self.mtp = _stacked(lambda r: prediction.Prediction(spec, r, block), spec.mtp_depth, rngs)
 
     def __call__(self, tokens_BL, places: Placement, cache=None):
         """(logits_BLV float32, the updated KV cache or None without one, the router statistics:
@@ -245,18 +250,42 @@ class Transformer(nnx.Module):
             x_BLD = x_BLD * jnp.asarray(self.spec.d_model ** 0.5, x_BLD.dtype)
         return constrain(x_BLD, layout, RESIDUAL)
 
-    def head_loss(self, x_BLD, targets_BL):
+    def head_loss(self, x_BLD, targets_BL, final_norm=None, mask_BL=None):
         """(mean next-token cross entropy, mean squared log-sum-exp: the z-loss) of the last
-        layer's output x_BLD: the final norm, the head and the loss in one vocabulary-parallel
-        pass (models.vocab), no [tokens, V] logits."""
+        layer's output x_BLD: the final norm (or `final_norm`: (its graphdef, params, stored
+        dims)), the head and the loss in one vocabulary-parallel pass (models.vocab), no
+        [tokens, V] logits; with mask_BL, over the tokens it keeps."""
         s = self.spec
         head = (Table(self.embed[...], ("vocab", "embed")) if s.tie_embeddings else
                 Table(self.head[...], ("embed", "vocab"), transposed=True))
-        norm_def, norm_state = nnx.split(self.final_norm)
-        prelude = (lambda params, x: nnx.merge(norm_def, params)(x), nnx.to_pure_dict(norm_state),
-                   self._stored_dims(norm_state, stacked=False))
+        if final_norm is None:
+            norm_def, norm_state = nnx.split(self.final_norm)
+            final_norm = (norm_def, nnx.to_pure_dict(norm_state), self._stored_dims(norm_state, stacked=False))
+        norm_def, norm_params, norm_dims = final_norm
+        prelude = (lambda params, x: nnx.merge(norm_def, params)(x), norm_params, norm_dims)
         return cross_entropy(x_BLD, head, targets_BL, s.strategy.layout, s.weights, s.head_chunk_mib, prelude,
-                             s.final_logit_softcap)
+                             s.final_logit_softcap, mask_BL)
+
+    def mtp_loss(self, x_BLD, targets_BL, places: Placement):
+        """The multi-token prediction modules' mean loss (models.prediction) after the last
+        layer's output x_BLD; each module's layer placed and gathered as the model's layers are."""
+        graphdef, state = nnx.split(self.mtp)
+        params, dims = nnx.to_pure_dict(state), self._stored_dims(state)  # dims: a module's, as a layer's
+        norm_def = nnx.split(self.mtp.final_norm)[0]
+
+        def module(k):
+            return jax.tree.map(lambda a: a[k], params)
+
+        def run_module(k, eh_BLX):
+            return self._run_layer(lambda p, x, places: nnx.merge(graphdef, p)(x, places), module(k), dims,
+                                   eh_BLX, places)[0]
+
+        def head_loss(k, h_BLD, targets, mask):
+            final = (norm_def, module(k)["final_norm"], dims and dims["final_norm"])
+            return self.head_loss(h_BLD, targets, final, mask)[0]
+
+        return prediction.losses(run_module, lambda tokens: self.embed_tokens(tokens, places), head_loss,
+                                 self.spec.mtp_depth, x_BLD, targets_BL)
 
     def logits(self, x_BLD):
         """Float32 logits [B, L, V] of the last layer's output: final norm, then the head (then
@@ -379,14 +408,18 @@ class Transformer(nnx.Module):
         return run
 
     def _stored_dims(self, state, stacked: bool = True) -> dict | None:
-        """Where each parameter of `state` is stored (Layout.stored); of a stack of layers, less
-        the layer dimension."""
+        """Where each parameter of `state` is stored and what a layer keeps of that (Layout.placed);
+        of a stack of layers, less the layer dimension."""
         layout = self.spec.strategy.layout
         if layout is None:
             return None
         lead = ("layers",) if stacked else ()
-        return _unflatten({path: layout.stored(lead + v.get_metadata()[AXES_KEY], v.shape)[len(lead):]
-                           for path, v in nnx.to_flat_state(state)})
+
+        def placed(v):
+            split, kept = layout.placed(lead + v.get_metadata()[AXES_KEY], v.shape)
+            return Stored(split[len(lead):], kept[len(lead):])
+
+        return _unflatten({path: placed(v) for path, v in nnx.to_flat_state(state)})
 
     def _remat(self, layer_fn):
         """layer_fn rematerialised in the backward pass as model.remat says (unchanged for 'none':
@@ -482,7 +515,7 @@ def _stacked(make_block, count: int, rngs: nnx.Rngs):
 
 def _axes_of(path, variable) -> tuple[str, ...]:
     axes = variable.get_metadata()[AXES_KEY]
-    return ("layers",) + axes if path[0] == "layers" else axes
+    return ("layers",) + axes if path[0] in ("layers", "mtp") else axes  # stacks of layers, of modules
 
 
 class LanguageModel:
@@ -541,7 +574,9 @@ class LanguageModel:
         model = nnx.merge(self.graphdef, params)
         x_BLD, _, stats = model.hidden(inputs_BL, places)
         loss, z_loss = model.head_loss(x_BLD, targets_BL)
-        return loss, {**stats, "z_loss": z_loss} if self.spec.z_loss_weight else stats
+        stats = {**stats, "z_loss": z_loss} if self.spec.z_loss_weight else stats
+        return loss, {**stats, prediction.LOSS: model.mtp_loss(x_BLD, targets_BL, places)} if self.spec.mtp_depth \
+            else stats
 
     def _lay_out(self, arrays_BL: tuple, segments_BL):
         """(arrays, Placement, order): token arrays in natural order, with their positions (from each
@@ -571,9 +606,11 @@ class LanguageModel:
     @property
     def stat_names(self) -> tuple[str, ...]:
         """The names of the statistics `loss` reports beside the loss: the router's (STATS) for
-        an MoE model, and `z_loss` (mean squared log-sum-exp of the logits) when weighted."""
+        an MoE model, `z_loss` (mean squared log-sum-exp of the logits) when weighted, and
+        `mtp_loss` (the multi-token prediction modules' mean cross entropy) with them."""
         moe = (*STATS, MAX_LOAD) if self.spec.moe.num_experts else ()
-        return moe + (("z_loss",) if self.spec.z_loss_weight else ())
+        return (moe + (("z_loss",) if self.spec.z_loss_weight else ())
+                + ((prediction.LOSS,) if self.spec.mtp_depth else ()))
 
     @property
     def stat_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -591,10 +628,13 @@ class LanguageModel:
     def extra_loss(self, stats: dict):
         """What the statistics add to the training objective: moe.aux_loss_weight x the load
         balancing loss + moe.z_loss_weight x the router z-loss (an MoE model), and
-        model.z_loss_weight x the logits' z-loss."""
+        model.z_loss_weight x the logits' z-loss, model.mtp_loss_weight x the multi-token
+        prediction loss."""
         m, extra = self.spec.moe, 0.0
         if "moe_aux_loss" in stats:
             extra = m.aux_loss_weight * stats["moe_aux_loss"] + m.z_loss_weight * stats["moe_z_loss"]
+        if prediction.LOSS in stats:
+            extra = extra + self.spec.mtp_loss_weight * stats[prediction.LOSS]
         return extra + self.spec.z_loss_weight * stats["z_loss"] if "z_loss" in stats else extra
 
     def init_cache(self, batch: int, max_len: int, dtype=jnp.float32) -> dict:

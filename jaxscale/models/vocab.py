@@ -196,17 +196,21 @@ def _targets_local(targets_T, head: _Head):
     return targets_T - _index(head.v_axes) * head.columns if head.v_axes else targets_T
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _cross_entropy_sum(x_TD, w_DV, targets_T, head: _Head):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _cross_entropy_sum(x_TD, w_DV, targets_T, mask_T, head: _Head):
     """(sum over this device's tokens of log-sum-exp(x @ W) - (x @ W)[target], sum of
-    log-sum-exp(x @ W)^2: the z-loss's), the vocabulary split over head.v_axes and W's rows over
-    head.d_axes."""
-    value, lse, _ = _forward(x_TD, w_DV, targets_T, head)
-    return value, jnp.sum(lse * lse)
+    log-sum-exp(x @ W)^2: the z-loss's), each token's terms times its weight in mask_T (float32;
+    None: 1), the vocabulary split over head.v_axes and W's rows over head.d_axes."""
+    value, lse, _ = _forward(x_TD, w_DV, targets_T, mask_T, head)
+    return value, _weighted_sum(lse * lse, mask_T)
 
 
-def _forward(x_TD, w_DV, targets_T, head: _Head):
-    """(the sum, each token's log-sum-exp, the probabilities when there is one chunk)."""
+def _weighted_sum(x_T, mask_T):
+    return jnp.sum(x_T if mask_T is None else x_T * mask_T)
+
+
+def _forward(x_TD, w_DV, targets_T, mask_T, head: _Head):
+    """(the weighted sum, each token's log-sum-exp, the probabilities when there is one chunk)."""
     targets = _targets_local(targets_T, head)
 
     def step(carry, c):
@@ -226,12 +230,12 @@ def _forward(x_TD, w_DV, targets_T, head: _Head):
         picked, top = jax.lax.psum(picked, head.v_axes), overall
     lse = top + jnp.log(total)
     probs = jnp.exp(logits[0] - lse[:, None]) if logits is not None else None
-    return jnp.sum(lse - picked), lse, probs
+    return _weighted_sum(lse - picked, mask_T), lse, probs
 
 
-def _fwd(x_TD, w_DV, targets_T, head):
-    value, lse, probs = _forward(x_TD, w_DV, targets_T, head)
-    return (value, jnp.sum(lse * lse)), (x_TD, w_DV, targets_T, lse, probs)
+def _fwd(x_TD, w_DV, targets_T, mask_T, head):
+    value, lse, probs = _forward(x_TD, w_DV, targets_T, mask_T, head)
+    return (value, _weighted_sum(lse * lse, mask_T)), (x_TD, w_DV, targets_T, mask_T, lse, probs)
 
 
 def _bwd(head, residuals, cotangents):
@@ -239,13 +243,14 @@ def _bwd(head, residuals, cotangents):
     # whole, and the transposes of collectives sum the parts: the sum's cotangent is summed over
     # the vocabulary split (the transpose of the forward's psum), while x's stays this device's
     # part (the map sums it over the vocabulary split, where x enters whole).
-    x_TD, w_DV, targets_T, lse, probs = residuals
+    x_TD, w_DV, targets_T, mask_T, lse, probs = residuals
     targets = _targets_local(targets_T, head)
     g, g_z = cotangents
     if head.v_axes:
         g, g_z = jax.lax.psum((g, g_z), head.v_axes)
     # d lse^2 / d logits = 2 lse softmax: the z-loss scales each token's softmax by 1 + 2 lse g_z / g.
-    scale = (g + 2 * g_z * lse)[:, None]
+    g = jnp.broadcast_to(g, lse.shape) if mask_T is None else g * mask_T  # each token's share
+    scale = (g + 2 * g_z * lse * (1.0 if mask_T is None else mask_T))[:, None]
 
     def step(carry, c):
         dx, dw = carry
@@ -255,7 +260,7 @@ def _bwd(head, residuals, cotangents):
             p = jnp.exp(logits - lse[:, None])
         else:
             p, columns = probs, c * head.chunk + jnp.arange(head.chunk)
-        d_logits = p * scale - (columns[None] == targets[:, None]) * g
+        d_logits = p * scale - (columns[None] == targets[:, None]) * g[:, None]
         if head.softcap:  # through the cap (padding columns, at -inf, have no gradient to pass)
             d_logits = uncap(d_logits, jnp.where(columns < head.columns, logits, 0.0), head.softcap)
         d_logits = d_logits.astype(head.compute)
@@ -267,36 +272,40 @@ def _bwd(head, residuals, cotangents):
 
     start = (jnp.zeros(x_TD.shape, jnp.float32), jnp.zeros(w_DV.shape, head.reduce))
     (dx, dw), _ = jax.lax.scan(step, start, jnp.arange(head.chunks))
-    return dx.astype(x_TD.dtype), dw.astype(w_DV.dtype), None
+    return dx.astype(x_TD.dtype), dw.astype(w_DV.dtype), None, None
 
 
 _cross_entropy_sum.defvjp(_fwd, _bwd)
 
 
-def _local_loss(x_BLD, w_DV, targets_BL, d_axes, v_axes, columns, weights: Weights, chunk_mib: float,
+def _local_loss(x_BLD, w_DV, targets_BL, mask_BL, d_axes, v_axes, columns, weights: Weights, chunk_mib: float,
                 plan: rings.Stages = (), cap: float = 0.0):
-    """The sum of this device's tokens' cross entropies: its weight block [D/|d_axes|, V/|v_axes|]
-    padded to whole chunks."""
+    """The (weighted: mask_BL, None for 1) sum of this device's tokens' cross entropies: its weight
+    block [D/|d_axes|, V/|v_axes|] padded to whole chunks."""
     B, L, D = x_BLD.shape
     chunk = chunk_columns(B * L, columns, chunk_mib, bool(d_axes))
     chunks = -(-columns // chunk)
     w_DV = jnp.pad(w_DV, ((0, 0), (0, chunks * chunk - columns)))
     head = _Head(d_axes, v_axes, columns, chunk, chunks, weights.compute, weights.reduce, plan, cap)
-    return _cross_entropy_sum(x_BLD.reshape(B * L, D).astype(weights.compute), w_DV, targets_BL.reshape(-1), head)
+    mask_T = None if mask_BL is None else mask_BL.reshape(-1).astype(jnp.float32)
+    return _cross_entropy_sum(x_BLD.reshape(B * L, D).astype(weights.compute), w_DV, targets_BL.reshape(-1), mask_T,
+                              head)
 
 
 def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chunk_mib: float, prelude=None,
-                  cap: float = 0.0):
+                  cap: float = 0.0, mask_BL=None):
     """(mean next-token cross entropy of the logits x @ head, mean squared log-sum-exp of the
     logits: the z-loss), over the vocabulary, float32 throughout, the logits in chunks, each
-    soft-capped at `cap` (0: not). x_BLD is
-    placed as the residual stream; prelude(x) -> x, if given, runs on it first (the final norm:
-    inside the map, so its weights are gathered here) and is (fn, params, stored dims of params)."""
+    soft-capped at `cap` (0: not); with mask_BL (0/1 per token, placed as the tokens) the means
+    over the tokens it keeps. x_BLD is placed as the residual stream; prelude(x) -> x, if given,
+    runs on it first (the final norm: inside the map, so its weights are gathered here) and is
+    (fn, params, stored dims of params)."""
     if layout is None:
         x_BLD = prelude[0](prelude[1], x_BLD) if prelude else x_BLD
         w_DV = head.value.T if not head.transposed else head.value
-        sums = _local_loss(x_BLD, w_DV, targets_BL, (), (), w_DV.shape[1], weights, chunk_mib, cap=cap)
-        return tuple(total / targets_BL.size for total in sums)
+        sums = _local_loss(x_BLD, w_DV, targets_BL, mask_BL, (), (), w_DV.shape[1], weights, chunk_mib, cap=cap)
+        count = targets_BL.size if mask_BL is None else jnp.sum(mask_BL.astype(jnp.float32))
+        return tuple(total / count for total in sums)
     axes, here = _map(layout)
     x_spec, ids_spec = here.spec(RESIDUAL), here.spec(IDS)
     gather_length = tuple(a for a in _spec_axes(x_spec, 1) if a not in _spec_axes(ids_spec, 1))
@@ -308,25 +317,29 @@ def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chun
     columns = vocab // math.prod(layout.mesh.shape[a] for a in v_axes)
     fn, params, dims = prelude or (None, {}, {})
 
-    def local(x_BLD, w, targets_BL, params):
+    def local(x_BLD, w, targets_BL, params, mask_BL):
         if fn is not None:
-            x_BLD = fn(jax.tree.map(lambda p, d: fsdp.gather(p, keep(d, axes), weights.compute), params, dims),
+            x_BLD = fn(jax.tree.map(lambda p, d: fsdp.gather(p, keep(d.split, axes), weights.compute), params, dims),
                        x_BLD)
         if gather_length:
             x_BLD = jax.lax.all_gather(x_BLD, gather_length, axis=1, tiled=True)
         w_DV = w if head.transposed else w.T
         if v_gather:
             w_DV = jax.lax.all_gather(w_DV, v_gather, axis=1, tiled=True)
-        sums = _local_loss(x_BLD, w_DV, targets_BL, d_axes, v_axes, columns, weights, chunk_mib,
+        sums = _local_loss(x_BLD, w_DV, targets_BL, mask_BL, d_axes, v_axes, columns, weights, chunk_mib,
                            rings.stages(layout.mesh, d_axes), cap)
-        count = targets_BL.size * math.prod(jax.lax.axis_size(a) for a in rows)
+        if mask_BL is None:
+            count = targets_BL.size * math.prod(jax.lax.axis_size(a) for a in rows)
+        else:
+            count = jnp.sum(mask_BL.astype(jnp.float32))
+            count = jax.lax.psum(count, tuple(sorted(rows))) if rows else count
         sums = jax.lax.psum(sums, tuple(sorted(rows))) if rows else sums
         return tuple(total / count for total in sums)
 
     w_dims = keep(head.stored(layout), axes)
     w_spec = to_spec(w_dims[::-1] if head.transposed else w_dims)
-    p_specs = jax.tree.map(lambda _, d: to_spec(keep(d, axes)), params, dims)
+    p_specs = jax.tree.map(lambda _, d: to_spec(keep(d.split, axes)), params, dims)
     inward = jax.tree.map(lambda p: p.astype(weights.reduce), (head.value, params))
-    return _mapped(local, layout, (x_spec, w_spec, ids_spec, p_specs), (P(), P()))(x_BLD, inward[0], targets_BL,
-                                                                                    inward[1])
+    return _mapped(local, layout, (x_spec, w_spec, ids_spec, p_specs, None if mask_BL is None else ids_spec),
+                   (P(), P()))(x_BLD, inward[0], targets_BL, inward[1], mask_BL)
 

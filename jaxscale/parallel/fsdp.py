@@ -103,12 +103,15 @@ def gather_plans(mesh, dims: Entries) -> tuple[rings.Stages, ...]:
     return tuple(rings.stages(mesh, axes) for axes in dims)
 
 
-def _whole(x, dims: Entries, axes: tuple[str, ...], compute: str, layout: sharding.Layout):
-    """x (a weight's shard stored as `dims` say) whole over the map's `axes`, in the compute dtype.
-    Its splits over other axes (tensor) stay: the gather runs in a map over them too, because in a
-    partly manual region XLA gathers an operand's automatic dimensions before a collective
-    (measured: every weight all-gathered over `tensor` under fsdp x tensor)."""
-    gathered = keep(dims, tuple(a for a in axes if a in layout.weight_axes))
+def _whole(x, stored: sharding.Stored, axes: tuple[str, ...], compute: str, layout: sharding.Layout):
+    """x (a weight's shard stored as `stored` says) whole over the map's `axes`, in the compute
+    dtype, but for the splits it keeps (an expert weight's over `expert`). Its splits over other
+    axes (tensor) stay: the gather runs in a map over them too, because in a partly manual region
+    XLA gathers an operand's automatic dimensions before a collective (measured: every weight
+    all-gathered over `tensor` under fsdp x tensor)."""
+    dims = stored.split
+    gathered = tuple(tuple(a for a in e if a not in kept) for e, kept in
+                     zip(keep(dims, tuple(a for a in axes if a in layout.weight_axes)), stored.kept))
     if not any(gathered):
         return x.astype(compute)
     plans = gather_plans(layout.mesh, gathered)
@@ -131,9 +134,9 @@ def run(fn, layout: sharding.Layout | None, weights: Weights, params, dims, x_BL
     compute dtype: in shard_map over `map_axes` (each device its rows of x and of `places`, a
     pytree of [B, L] arrays, and with `length` its part of the length; stats, scalar means over
     its rows, averaged over the map), or directly where there is no such axis. `dims` gives each
-    parameter's stored split (`Layout.stored`). `remat` wraps the gathers with fn: a rematerialised
-    layer gathers its weights again in the backward pass (FSDP's reshard after forward), an
-    unrematerialised one keeps them."""
+    parameter's stored split and what the layer keeps of it (`Layout.placed`). `remat` wraps the
+    gathers with fn: a rematerialised layer gathers its weights again in the backward pass
+    (FSDP's reshard after forward), an unrematerialised one keeps them."""
     rows, along = map_axes(layout, length)
     axes = rows + along
 
@@ -147,7 +150,7 @@ def run(fn, layout: sharding.Layout | None, weights: Weights, params, dims, x_BL
     inward = jax.tree.map(lambda p: p.astype(weights.reduce), params)
     if not axes:
         return remat(use)(inward, x_BLD, places)
-    specs = jax.tree.map(lambda _, d: to_spec(keep(d, axes)), params, dims)
+    specs = jax.tree.map(lambda _, d: to_spec(keep(d.split, axes)), params, dims)
     tokens = P(rows, along or None)
     return jax.shard_map(remat(use), mesh=layout.mesh_here(), in_specs=(specs, tokens, tokens),
                          out_specs=(tokens, P()), axis_names=set(axes), check_vma=False)(inward, x_BLD, places)
