@@ -266,17 +266,16 @@ def test_latent_attention_caches_the_latent_and_the_rotary_key_only():
     assert jax.tree.map(jnp.shape, cache) == {"global": {"latent": (3, 2, 40, 16 + 8)}}
 
 
-@pytest.mark.parametrize("sizes", [dict(data=2, fsdp=2, tensor=2), dict(data=2, sequence=2, expert=2)])
-def test_latent_attention_trains_on_tensor_and_context_layouts_as_on_one_device(sizes):
-    """DeepSeek-V3's shape (a query latent too) with its heads split over tensor and its latents
-    over fsdp, or its tokens over sequence (the ring attention on the expanded keys and values,
-    narrower value heads) beside expert parallelism: the first step's loss and gradient norm
-    equal one device's."""
+def test_latent_attention_trains_under_context_parallelism_as_on_one_device():
+    """DeepSeek-V3's shape (a query latent too) with its tokens over sequence (the ring attention
+    on the expanded keys and values, narrower value heads) beside expert parallelism: the first
+    step's loss and gradient norm equal one device's. (Its heads over tensor and its latents over
+    fsdp: tests/test_prediction.py.)"""
     spec = dataclasses.replace(SPECS["deepseek_v3"], mla=dataclasses.replace(SPECS["deepseek_v3"].mla, q_lora_rank=8))
     tokens = np.random.default_rng(3).integers(0, VOCAB, (8, 17)).astype(np.int32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
     metrics = []
-    for layout in (dict(devices=1), sizes):
+    for layout in (dict(devices=1), dict(data=2, sequence=2, expert=2)):
         run = build_for(spec, rows=8, seq_len=16, **layout)
         state = run.init_state(jax.device_put(_perturbed_ours(spec), run.shardings.params))
         metrics.append(jax.device_get(run.train_step(state, jax.device_put(batch, run.batch_sharding))[1]))

@@ -356,6 +356,26 @@ def test_moe_in_pipeline_stages_under_1f1b_equals_one_device(reference):
             np.testing.assert_allclose(g[key], r[key], rtol=1e-5, err_msg=key)
 
 
+def test_pipeline_stages_keep_their_experts_split_over_expert():
+    """tiny_moe.py in 2 stages x expert=2 x data=2 (1f1b, 4 microbatches): each device holds its
+    stage's own experts through the step. No expert weight is gathered over expert (the
+    all-gathers over expert move half of the stage's other matrices and of the table), and the
+    experts' gradients are summed over data alone: 2 x 1/2 x E/4 (all-reducing the stage's whole
+    experts over data x expert sent 2 x 3/4 x E/2, and gathering them E/4 more, measured)."""
+    from jaxscale.plan import make_plan
+    from sends import Sizes, sent_by_axis
+
+    config = config_lib.load(str(ROOT / "configs" / "tiny_moe.py"))
+    config_lib.apply_overrides(config, ["mesh.data=2", "mesh.expert=2", "mesh.pipeline=2", "pipeline.schedule=1f1b",
+                                        "pipeline.microbatches=4", "train.global_batch_size=16"])
+    plan = make_plan(config)
+    sizes, sent, m = Sizes.of(config, plan), sent_by_axis(plan), config.model
+    norms = 4 * (2 * m.num_layers + 1) * m.d_model
+    stage_matrices = (sizes.w - sizes.experts - sizes.t - norms) / 2
+    assert sent[("all-gather", "expert")] == pytest.approx(1 / 2 * (stage_matrices + sizes.t), rel=1e-3)
+    assert sent[("all-reduce", "data")] == pytest.approx(2 * 1 / 2 * sizes.experts / 4, rel=1e-3)
+
+
 def test_dropless_balanced_moe_in_interleaved_and_zero_bubble_stages_equals_one_device():
     """Every layer MoE, dropless, balancing by bias: 2 stages x 2 virtual stages (interleaved
     1F1B: each stage's loads reach their layers' biases in layer order) and zero-bubble (the

@@ -68,6 +68,7 @@ def test_the_prediction_loss_is_its_definition_and_joins_the_objective(one_devic
 
 @pytest.mark.parametrize("sizes", [dict(expert=4, data=2), dict(data=2, fsdp=2, tensor=2)])
 def test_prediction_trains_on_expert_and_fsdp_tensor_layouts_as_on_one_device(one_device, sizes):
+    """Also latent attention's heads over tensor and its latents (queries' and keys') over fsdp."""
     one, params = one_device
     split = _first_step(sizes, params)
     for key in ("loss", "mtp_loss", "grad_norm"):

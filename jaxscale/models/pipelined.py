@@ -78,5 +78,10 @@ def loss(lm, params: dict, inputs_BL, targets_BL, places):
 
     fns = executor.Fns(embed, stage_fn(model(outer)), head_loss, lambda x_BLD: constrain(x_BLD, s.layout, RESIDUAL),
                        lm.extra_loss)
-    run = executor.pipelined_loss(s.table(), fns, primal, finish, s.layout)
+    def kept_of(names, shape):
+        return s.layout.placed(names, shape.shape).kept
+
+    kept = jax.tree.map(kept_of, lm.axes["layers"], lm.shapes["layers"],
+                        is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(n, str) for n in x))
+    run = executor.pipelined_loss(s.table(), fns, primal, finish, s.layout, kept)  # each stage its own experts
     return run(params["layers"], outer, inputs_BL, targets_BL, places)

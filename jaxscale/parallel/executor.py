@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxscale.parallel import microbatch
 from jaxscale.parallel.schedules import ACTIONS, B, F, Table, W
+from jaxscale.sharding import to_spec
 
 AXIS = "pipeline"
 
@@ -286,53 +287,66 @@ def _file(stash, slot, message):
     return stash.at[at].set(jnp.where(slot >= 0, message, stash[at]))
 
 
-def run(table: Table, fns: Fns, stacked, outer, tokens_BL, targets_BL, places, layout):
+def run(table: Table, fns: Fns, stacked, outer, tokens_BL, targets_BL, places, layout, kept=None):
     """(mean loss, gradients of the stacked layer params and of the outer params, the stages'
     statistics [P * V, ...] in layer order, means over the microbatches): the schedule run over
     `pipeline` on M = table.microbatches microbatches of the batch, the gradients those of the
     loss plus what the statistics add. stacked has the layer dimension first, split over
-    `pipeline`; places is a pytree of [B, L] arrays (positions, segment ids)."""
+    `pipeline`; places is a pytree of [B, L] arrays (positions, segment ids). A stage holds its
+    layers' weights whole over the batch axes but for the splits `kept` names (per stacked leaf,
+    one tuple of mesh axes per dimension, sharding.Stored.kept: the experts' over `expert`, each
+    device its own experts); their gradients are summed over the other batch axes only."""
     stages, virtual, count = table.stages, table.virtual, table.microbatches
     the_plan, batch = plan(table), layout.batch_axes(AXIS)
     scale = 1.0 / (count * math.prod(layout.mesh.shape[a] for a in batch))
+    kept = jax.tree.map(lambda p: ((),) * p.ndim, stacked) if kept is None else kept
 
     def regroup(p):  # [L, ...] -> [V, P, L/(PV), ...]: virtual stage j = c*P + s on device s
         return p.reshape(virtual, stages, p.shape[0] // (virtual * stages), *p.shape[1:])
+
+    def chunk_spec(dims):  # a regrouped leaf's spec: the stages over pipeline, the kept splits
+        return to_spec(((), (AXIS,), (), *(tuple(a for a in e if a in batch) for e in dims[1:])))
+
+    def summed_over(dims):  # the batch axes a leaf's gradient is summed over
+        return tuple(a for a in batch if not any(a in e for e in dims))
 
     def body(chunks, outer, tokens, targets, places):
         device = _Device(fns, jax.tree.map(lambda p: p[:, 0], chunks), outer, tokens, targets, places)
         loss, g_chunks, g_outer, stats = _run_table(the_plan, device, stages, table.split_backward)
         everywhere = (AXIS, *batch)
 
-        def per_chunk(g):
-            return (jax.lax.psum(g, batch) if batch else g)[:, None] * scale
+        def per_chunk(g, dims=((),)):
+            axes = summed_over(dims)
+            return (jax.lax.psum(g, axes) if axes else g)[:, None] * scale
 
-        return (jax.lax.psum(loss, everywhere) * scale, jax.tree.map(per_chunk, g_chunks),
+        return (jax.lax.psum(loss, everywhere) * scale, jax.tree.map(per_chunk, g_chunks, kept),
                 jax.tree.map(lambda g: jax.lax.psum(g, everywhere) * scale, g_outer), jax.tree.map(per_chunk, stats))
 
     rows = P(None, batch or None)
     split = functools.partial(microbatch.split, count=count)
     args = (jax.tree.map(regroup, stacked), outer, split(tokens_BL), split(targets_BL), jax.tree.map(split, places))
-    specs = (P(None, AXIS), P(), rows, rows, jax.tree.map(lambda _: rows, places))
+    chunk_specs = jax.tree.map(lambda _, dims: chunk_spec(dims), stacked, kept)
+    specs = (chunk_specs, P(), rows, rows, jax.tree.map(lambda _: rows, places))
     loss, g_chunks, g_outer, stats = jax.shard_map(
-        body, mesh=layout.mesh_here(), in_specs=specs, out_specs=(P(), P(None, AXIS), P(), P(None, AXIS)),
+        body, mesh=layout.mesh_here(), in_specs=specs, out_specs=(P(), chunk_specs, P(), P(None, AXIS)),
         axis_names={AXIS, *batch}, check_vma=False)(*args)
     g_stacked = jax.tree.map(lambda g, p: g.reshape(p.shape).astype(p.dtype), g_chunks, stacked)
     stats = jax.tree.map(lambda s: s.reshape(virtual * stages, *s.shape[2:]), stats)  # [V, P, ...]: j = v*P + p
     return loss, g_stacked, jax.tree.map(lambda g, p: g.astype(p.dtype), g_outer, outer), stats
 
 
-def pipelined_loss(table: Table, fns: Fns, primal, finish, layout):
+def pipelined_loss(table: Table, fns: Fns, primal, finish, layout, kept=None):
     """loss(stacked, outer, tokens, targets, places) -> (objective, metrics) as a
-    jax.custom_vjp: differentiated, the table runs forward and backward together (`run`) and
-    finish(mean loss, statistics [P * V, ...]) gives what primal(...) gives evaluated alone. The
-    metrics are not differentiated: their cotangent is ignored."""
+    jax.custom_vjp: differentiated, the table runs forward and backward together (`run`, whose
+    stages keep the splits `kept` names) and finish(mean loss, statistics [P * V, ...]) gives
+    what primal(...) gives evaluated alone. The metrics are not differentiated: their cotangent
+    is ignored."""
     @jax.custom_vjp
     def loss(stacked, outer, tokens, targets, places):
         return primal(stacked, outer, tokens, targets, places)
 
     def forward(stacked, outer, tokens, targets, places):
-        value, g_stacked, g_outer, stats = run(table, fns, stacked, outer, tokens, targets, places, layout)
+        value, g_stacked, g_outer, stats = run(table, fns, stacked, outer, tokens, targets, places, layout, kept)
         return finish(value, stats), (g_stacked, g_outer, tokens, targets, places)
 
     def backward(residuals, cotangents):
