@@ -47,6 +47,9 @@ KINDS = (("matmul", ("ynn_fusion", "xnn_fusion", "dot")), ("copy/transpose", ("c
 # Events that are not one thunk's work: loops and calls around thunks, the executor and its pool,
 # and the markers of a thunk's completion ("end: NAME").
 CONTAINERS = ("while", "cond", "call", "ThunkExecutor", "SlinkyThreadPool", "end: ")
+# Marks XLA:CPU's libraries leave inside a thunk's span, named Class::Method (a parallel copy's
+# "Transpose::Execute" on the Eigen threads): counting them would count their thunk's time twice.
+INSIDE = "::"
 
 
 def kind_of(name: str) -> str:
@@ -67,7 +70,7 @@ def thunk_times(trace_dir: Path) -> collections.Counter:
                 if "XLAEigen" not in line.name:
                     continue
                 for event in line.events:
-                    if not event.name.startswith(CONTAINERS):
+                    if not event.name.startswith(CONTAINERS) and INSIDE not in event.name:
                         times[event.name] += event.duration_ns
     return times
 
