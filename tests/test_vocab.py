@@ -64,6 +64,33 @@ def test_in_bfloat16_the_loss_and_gradients_keep_bfloat16_accuracy():
         np.testing.assert_allclose(g, r, rtol=3e-2, atol=3e-2 * float(jnp.abs(r).max()))
 
 
+@pytest.mark.parametrize("sizes", [None, dict(data=2, fsdp=2, tensor=2)], ids=["one_device", "data_fsdp_tensor"])
+def test_a_mask_keeps_its_tokens_loss_and_gradients(sizes):
+    """With a 0/1 mask per token, the loss and z-loss are the means over the tokens it keeps (optax
+    on whole logits, masked), their gradients too; in 4 chunks of the vocabulary, on one device
+    or with the head split over fsdp and tensor and the tokens over data and fsdp."""
+    x, w, targets = _inputs(2)
+    x, targets = x.reshape(4, T // 4, D), targets.reshape(4, T // 4)  # rows over data x fsdp
+    mask = (jax.random.uniform(jax.random.PRNGKey(3), targets.shape) < 0.6).astype(jnp.float32)
+    layout = None if sizes is None else make_layout(**sizes)
+
+    def reference(x, w):
+        logits = jnp.einsum("BLD,DV->BLV", x, w)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        return (jnp.sum(ce * mask) + 1e-2 * jnp.sum(lse ** 2 * mask)) / jnp.sum(mask)
+
+    def fused(x, w):
+        loss, z_loss = cross_entropy(x, Table(w.T, ("vocab", "embed")), targets, layout, Weights(), 0.05, mask_BL=mask)
+        return loss + 1e-2 * z_loss
+
+    want, want_grads = jax.value_and_grad(reference, argnums=(0, 1))(x, w)
+    got, got_grads = jax.jit(jax.value_and_grad(fused, argnums=(0, 1)))(x, w)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for g, r in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
 SPEC = ModelSpec(num_layers=2, d_model=64, num_heads=4, num_kv_heads=4, d_ff=128, vocab_size=V,
                  tie_embeddings=False, z_loss_weight=1e-2, head_chunk_mib=0.05)
 
