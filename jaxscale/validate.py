@@ -54,6 +54,7 @@ def _check_parallelism(config, device_count: int, granules: int) -> None:
     rules = sharding.check_rules(config, sizes)
     model_checks.check_moe(config, sizes, rules)
     model_checks.check_layer_kinds(config, sizes)
+    model_checks.check_prediction(config, sizes)
     pipeline.check(config, sizes)
     context.check(config, sizes)
     sharding.check_layout(config, rules, sizes)

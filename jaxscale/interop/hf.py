@@ -61,7 +61,7 @@ def load_hf_params(hf_dir, spec, shardings=None) -> dict:
     layer_shapes = _per_layer(shapes)
     place = flatten_dict(shardings, sep="/") if shardings is not None else dict.fromkeys(shapes)
     rows = rows_for(spec.family, set(shapes))
-    rotary = _rotary(spec, read_hf_config(hf_dir).get("rope_interleave", True))
+    rotary = _rotary(spec, read_hf_config(hf_dir).get("rope_interleave", True), shapes)
     params = {}
     with hf_files.CheckpointReader(hf_dir) as reader:
         names = _checkpoint_names(reader, rows, spec, shapes)
@@ -97,7 +97,7 @@ def save_hf(params: dict, spec, out_dir, max_shard_bytes: int = DEFAULT_SHARD_BY
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     _remove_earlier_save(out)
-    fetch, rotary = _LastLayer(flat), _rotary(spec, True)
+    fetch, rotary = _LastLayer(flat), _rotary(spec, True, flat)
     for shard, file in zip(shards, files):
         hf_files.write_shard(out / file, {name: _hf_tensor(fetch, rotary, *tensors[name]) for name in shard})
     if len(shards) > 1:
@@ -111,12 +111,12 @@ def _spacing(spec) -> Spacing:
     return Spacing(spec.moe.every_n_layers, spec.moe.first_dense)
 
 
-def _rotary(spec, interleaved: bool) -> dict[str, int]:
-    """Path -> the width of the rotary tail HF stores in interleaved pairs (DeepSeek's
-    rope_interleave: the latent attention's query and rotary key, interop.hf_names.deinterleave)."""
+def _rotary(spec, interleaved: bool, paths) -> dict[str, int]:
+    """Of the parameter `paths`, path -> the width of the rotary tail HF stores in interleaved
+    pairs (DeepSeek's rope_interleave: the latent attention's query and rotary key,
+    interop.hf_names.deinterleave)."""
     if not (spec.mla.on and interleaved):
         return {}
-    paths = _param_shapes(spec)
     return {path: spec.mla.rope_head_dim for path in paths if path.endswith(ROTARY_TAILS)}
 
 

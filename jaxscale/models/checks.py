@@ -76,22 +76,28 @@ def _check_layer_pattern(m) -> None:
             "mixture-of-experts models take one attention kind for every layer (G or L)")
 
 
+def check_prediction(config, sizes) -> None:
+    """Multi-token prediction (model.mtp_depth > 0) runs with neither a pipeline nor context
+    parallelism."""
+    m = config.model
+    if not m.mtp_depth:
+        return
+    require(sizes["pipeline"] == 1, "model.mtp_depth", m.mtp_depth, "multi-token prediction runs after the "
+            "model's last layer outside a pipeline schedule; set mesh.pipeline=1 (fsdp, expert and tensor "
+            "layouts take it) or model.mtp_depth=0")
+    require(sizes["sequence"] == 1, "model.mtp_depth", m.mtp_depth, "multi-token prediction shifts each row's "
+            "tokens, which context parallelism lays out in zig-zag order; set mesh.sequence=1 or model.mtp_depth=0")
+
+
 def check_layer_kinds(config, sizes) -> None:
-    """How the layer pattern, soft-capping and multi-token prediction meet the mesh: a pipeline
-    stage holds whole periods of the pattern; context parallelism has no sliding window or
-    soft-capping; multi-token prediction runs with neither a pipeline nor context parallelism."""
+    """How the layer pattern and soft-capping meet the mesh: a pipeline stage holds whole periods
+    of the pattern; context parallelism has no sliding window or soft-capping."""
     m = config.model
     p = len(period(m.layer_pattern))
     chunks = sizes["pipeline"] * config.pipeline.virtual_stages
     require(sizes["pipeline"] == 1 or (m.num_layers // chunks) % p == 0, "model.layer_pattern", m.layer_pattern,
             f"each of the {chunks} pipeline layer chunks must hold whole repeats of the {p}-layer pattern; "
             f"use model.num_layers a multiple of {chunks * p}")
-    if m.mtp_depth:
-        require(sizes["pipeline"] == 1, "model.mtp_depth", m.mtp_depth, "multi-token prediction runs after the "
-                "model's last layer outside a pipeline schedule; set mesh.pipeline=1 (fsdp, expert and tensor "
-                "layouts take it) or model.mtp_depth=0")
-        require(sizes["sequence"] == 1, "model.mtp_depth", m.mtp_depth, "multi-token prediction shifts each row's "
-                "tokens, which context parallelism lays out in zig-zag order; set mesh.sequence=1 or model.mtp_depth=0")
     if sizes["sequence"] > 1:
         require("L" not in m.layer_pattern, "model.layer_pattern", m.layer_pattern, "context parallelism "
                 "(mesh.sequence > 1) has no sliding-window attention; set mesh.sequence=1 or a pattern of G only")

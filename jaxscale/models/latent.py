@@ -25,11 +25,13 @@ from flax import nnx
 
 from jaxscale.models import rope
 from jaxscale.models.attention import Placement, cached_attention, write_cache
+from jaxscale.models.families import head_size
 from jaxscale.models.layers import Matmul, RMSNorm, causal, normal, output
 from jaxscale.sharding import constrain
 
 LATENT_EPS = 1e-6  # DeepSeek's latent norms (HF: q_a_layernorm, kv_a_layernorm), whatever rms_norm_eps says
 CACHE = "latent"  # a latent layer's cache: {CACHE: [B, S, C + R]}, the normed latent then the rotated key
+LATENT_ROWS = ("batch", "act_length", None)  # a latent [B, L, C]: whole on each device of its rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +60,10 @@ class LatentSpec:
 
 def widths(spec) -> tuple[int, int]:
     """(each head's query and key width, its value width) of a ModelSpec or a model config."""
-    mla = spec.mla if isinstance(spec.mla, LatentSpec) else LatentSpec(**spec.mla.to_dict())
-    if mla.on:
-        return mla.qk_head_dim, mla.v_head_dim
-    width = spec.head_dim or spec.d_model // spec.num_heads
-    return width, width
+    mla = spec.mla
+    if mla.kv_lora_rank:
+        return mla.nope_head_dim + mla.rope_head_dim, mla.v_head_dim
+    return head_size(spec), head_size(spec)
 
 
 class LatentAttention(nnx.Module):
@@ -91,14 +92,14 @@ class LatentAttention(nnx.Module):
         self.impl, self.block, self.strategy = cfg.attention_impl, cfg.attention_block, cfg.strategy
 
     def _heads(self, y, axes=("batch", "act_length", "act_heads", "head_dim")):
+        """y placed as attention's heads (or by `axes`: LATENT_ROWS for a latent)."""
         return constrain(y, self.strategy.layout, axes)
 
     def _query(self, x_BLD, tables):
         """q [B, L, H, N + R]: the non-rotary part, then the rotary part rotated, times the query factor."""
         if hasattr(self, "wq_a"):
             q_BLQ = self.q_norm(self.matmul(x_BLD, self.wq_a[...], 1))
-            q_BLHE = self.matmul(constrain(q_BLQ, self.strategy.layout, ("batch", "act_length", None)),
-                                 self.wq_b[...], 1)
+            q_BLHE = self.matmul(self._heads(q_BLQ, LATENT_ROWS), self.wq_b[...], 1)
         else:
             q_BLHE = self.matmul(x_BLD, self.wq[...], 1)
         q_BLHE = self._heads(q_BLHE)
@@ -122,8 +123,7 @@ class LatentAttention(nnx.Module):
             cache = {CACHE: write_cache(cache[CACHE], jnp.concatenate([c_BLC, k_BLR], -1), places.positions)}
             return self._decode(q_BLHE, cache[CACHE], places.positions), cache
         N, H = self.mla.nope_head_dim, q_BLHE.shape[2]
-        kv_BLHE = self._heads(self.matmul(constrain(c_BLC, self.strategy.layout, ("batch", "act_length", None)),
-                                          self.wkv_b[...], 1))
+        kv_BLHE = self._heads(self.matmul(self._heads(c_BLC, LATENT_ROWS), self.wkv_b[...], 1))
         k_BLHR = jnp.broadcast_to(k_BLR[:, :, None, :], (*k_BLR.shape[:2], H, k_BLR.shape[-1]))
         k_BLHE = self._heads(jnp.concatenate([kv_BLHE[..., :N], k_BLHR.astype(kv_BLHE.dtype)], -1))
         out_BLHV = causal(q_BLHE, k_BLHE, self._heads(kv_BLHE[..., N:]), places, self, softcap=self.softcap)
