@@ -22,6 +22,72 @@ from jaxscale.errors import ConfigError
 from jaxscale.names import AXES, DEFAULT_RULES
 
 
+def _rope_scaling() -> dict:
+    """model.rope_scaling: RoPE extended past the pretrained context, as Hugging Face's rope_scaling."""
+    return dict(
+        type="none",               # none | linear | llama3 (Llama 3.1+) | yarn (Qwen's long context)
+        factor=1.0,                # how many times the pretrained context the model reaches
+        original_max_seq_len=8192,  # llama3, yarn: the context the model was pretrained on
+        low_freq_factor=1.0, high_freq_factor=4.0,  # llama3: the band of wavelengths blended
+        beta_fast=32.0, beta_slow=1.0,  # yarn: the rotations between which dimensions are blended
+        attention_factor=0.0,      # yarn: sin and cos scaled by it; 0 = 0.1 ln(factor) + 1
+        truncate=True,             # yarn: the blend's ends rounded out to whole dimensions
+    )
+
+
+def _latent_attention() -> dict:
+    """model.mla: multi-head latent attention (DeepSeek-V2/V3, models/latent.py)."""
+    return dict(
+        kv_lora_rank=0,            # keys and values through a latent of this width (cached when decoding);
+                                   # 0 = grouped-query attention
+        q_lora_rank=0,             # queries through a latent of this width; 0 = a full-rank query projection
+        rope_head_dim=64,          # each head's rotary part of the query and key (the key's shared by heads)
+        nope_head_dim=128,         # each head's non-rotary part of the query and key
+        v_head_dim=128,            # each head's value width
+    )
+
+
+def _attention_kernels() -> dict:
+    """model.attention: the attention kernel and context parallelism."""
+    return dict(
+        impl="auto",               # xla | cudnn | splash | auto (cudnn on GPU, splash on TPU, where they run)
+        context_parallel="ring",   # ring | all_gather: attention when mesh.sequence > 1
+        block_size=512,            # the blockwise (xla) kernel's tile edge: memory O(L x block), not O(L^2)
+    )
+
+
+def _experts() -> dict:
+    """model.moe: mixture of experts; its experts are split over mesh.expert."""
+    return dict(
+        num_experts=0,             # experts per MoE layer; 0 = a dense model
+        top_k=2,                   # experts each token goes to (the router scores in float32)
+        capacity_factor=1.25,      # per sequence of L tokens each expert takes
+                                   # min(L, ceil(factor * L * top_k / num_experts)); the rest is dropped;
+                                   # 0 = dropless (grouped matmuls, nothing padded; over mesh.expert
+                                   # by ragged all-to-all)
+        every_n_layers=1,          # layers n, 2n, ... (from 1) are MoE, the others dense
+        first_dense=0,             # the first layers dense before them (DeepSeek-V3: 3, HF first_k_dense_replace);
+                                   # the MoE spacing counts from the layer after them
+        d_ff=0,                    # expert hidden size; 0 = model.d_ff
+        num_shared=0,              # shared experts every token also goes through (DeepSeek-MoE):
+                                   # one dense MLP of num_shared x d_ff hidden units beside the router's
+        aux_loss_weight=0.01,      # load-balancing loss (Switch/GShard) in the training loss
+        bias_rate=0.0,             # auxiliary-loss-free balancing (DeepSeek-V3): after each step every
+                                   # expert's selection bias moves this much towards an even load; 0 = off
+        selection_bias=False,      # the selection bias even with bias_rate 0, held as it is (an imported
+                                   # DeepSeek-V3's e_score_correction_bias)
+        z_loss_weight=0.001,       # router z-loss (mean logsumexp(logits)^2) in the training loss
+        score="softmax",           # softmax | sigmoid: the router's scores (DeepSeek-V3: sigmoid of each logit)
+        renormalize=True,          # top_k > 1: the chosen scores divided by their sum (HF norm_topk_prob);
+                                   # False: the raw scores (some Qwen3-MoE checkpoints)
+        expert_groups=1,           # group-limited routing (DeepSeek-V3, HF n_group): experts in this many
+                                   # consecutive groups, each scored by the sum of its top-2 selection scores;
+        top_groups=1,              # a token chooses only among its top_groups best groups (HF topk_group);
+                                   # 1 and 1 (or top_groups=expert_groups): no limit
+        routed_scale=1.0,          # combine weights x this (HF routed_scaling_factor; DeepSeek-V3: 2.5)
+    )
+
+
 def _add_model(c: ml_collections.ConfigDict) -> None:
     """The model: architecture, compute dtype, remat, attention and mixture of experts."""
     c.model = dict(
@@ -38,15 +104,7 @@ def _add_model(c: ml_collections.ConfigDict) -> None:
         max_seq_len=1024,      # gpt2: learned position table size
         tie_embeddings=True,   # share the input embedding with the output head
         rope_theta=10000.0, norm_eps=1e-5, init_std=0.02,
-        rope_scaling=dict(             # RoPE extended past the pretrained context, as Hugging Face's rope_scaling
-            type="none",               # none | linear | llama3 (Llama 3.1+) | yarn (Qwen's long context)
-            factor=1.0,                # how many times the pretrained context the model reaches
-            original_max_seq_len=8192,  # llama3, yarn: the context the model was pretrained on
-            low_freq_factor=1.0, high_freq_factor=4.0,  # llama3: the band of wavelengths blended
-            beta_fast=32.0, beta_slow=1.0,  # yarn: the rotations between which dimensions are blended
-            attention_factor=0.0,      # yarn: sin and cos scaled by it; 0 = 0.1 ln(factor) + 1
-            truncate=True,             # yarn: the blend's ends rounded out to whole dimensions
-        ),
+        rope_scaling=_rope_scaling(),
         dtype="auto",          # compute dtype; auto = bfloat16 on GPU/TPU, float32 on CPU. Parameters stay float32.
         remat="none",          # none | full | dots_saveable: what the backward pass recomputes per layer
         layer_loop="auto",     # scan | unroll | auto (unroll up to 8 layers on one CPU device, else scan)
@@ -68,47 +126,9 @@ def _add_model(c: ml_collections.ConfigDict) -> None:
         final_logit_softcap=0.0,  # logits z -> cap * tanh(z / cap) (Gemma 2: 30); 0 = none
         fp8=False,             # the layers' projections in fp8: e4m3 forward, e5m2 gradients, per-tensor scales
                                # of the step (models/fp8.py); NVIDIA compute capability 8.9+, emulated on CPU
-        mla=dict(                      # multi-head latent attention (DeepSeek-V2/V3, models/latent.py)
-            kv_lora_rank=0,            # keys and values through a latent of this width (cached when decoding);
-                                       # 0 = grouped-query attention
-            q_lora_rank=0,             # queries through a latent of this width; 0 = a full-rank query projection
-            rope_head_dim=64,          # each head's rotary part of the query and key (the key's shared by heads)
-            nope_head_dim=128,         # each head's non-rotary part of the query and key
-            v_head_dim=128,            # each head's value width
-        ),
-        attention=dict(
-            impl="auto",               # xla | cudnn | splash | auto (cudnn on GPU, splash on TPU, where they run)
-            context_parallel="ring",   # ring | all_gather: attention when mesh.sequence > 1
-            block_size=512,            # the blockwise (xla) kernel's tile edge: memory O(L x block), not O(L^2)
-        ),
-        moe=dict(                      # mixture of experts; its experts are split over mesh.expert
-            num_experts=0,             # experts per MoE layer; 0 = a dense model
-            top_k=2,                   # experts each token goes to (the router scores in float32)
-            capacity_factor=1.25,      # per sequence of L tokens each expert takes
-                                       # min(L, ceil(factor * L * top_k / num_experts)); the rest is dropped;
-                                       # 0 = dropless (grouped matmuls, nothing padded; over mesh.expert
-                                       # by ragged all-to-all)
-            every_n_layers=1,          # layers n, 2n, ... (from 1) are MoE, the others dense
-            first_dense=0,             # the first layers dense before them (DeepSeek-V3: 3, HF first_k_dense_replace);
-                                       # the MoE spacing counts from the layer after them
-            d_ff=0,                    # expert hidden size; 0 = model.d_ff
-            num_shared=0,              # shared experts every token also goes through (DeepSeek-MoE):
-                                       # one dense MLP of num_shared x d_ff hidden units beside the router's
-            aux_loss_weight=0.01,      # load-balancing loss (Switch/GShard) in the training loss
-            bias_rate=0.0,             # auxiliary-loss-free balancing (DeepSeek-V3): after each step every
-                                       # expert's selection bias moves this much towards an even load; 0 = off
-            selection_bias=False,      # the selection bias even with bias_rate 0, held as it is (an imported
-                                       # DeepSeek-V3's e_score_correction_bias)
-            z_loss_weight=0.001,       # router z-loss (mean logsumexp(logits)^2) in the training loss
-            score="softmax",           # softmax | sigmoid: the router's scores (DeepSeek-V3: sigmoid of each logit)
-            renormalize=True,          # top_k > 1: the chosen scores divided by their sum (HF norm_topk_prob);
-                                       # False: the raw scores (some Qwen3-MoE checkpoints)
-            expert_groups=1,           # group-limited routing (DeepSeek-V3, HF n_group): experts in this many
-                                       # consecutive groups, each scored by the sum of its top-2 selection scores;
-            top_groups=1,              # a token chooses only among its top_groups best groups (HF topk_group);
-                                       # 1 and 1 (or top_groups=expert_groups): no limit
-            routed_scale=1.0,          # combine weights x this (HF routed_scaling_factor; DeepSeek-V3: 2.5)
-        ),
+        mla=_latent_attention(),
+        attention=_attention_kernels(),
+        moe=_experts(),
     )
 
 

@@ -15,6 +15,7 @@ and its selection bias is not balanced (it stays as initialised or imported).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -60,14 +61,20 @@ def valid(tokens_BL, k: int):
     return jnp.broadcast_to((jnp.arange(length) < length - k).astype(jnp.float32), tokens_BL.shape)
 
 
-def losses(run_module, embed, head_loss, depth: int, x_BLD, targets_BL):
-    """The mean of the `depth` modules' cross entropies. run_module(k, eh_BLX) -> hidden runs
-    module k (from 0); embed(tokens) gives the model's embeddings; head_loss(k, x, targets, mask)
-    the masked cross entropy through module k's final norm and the model's head. targets_BL are
-    the next tokens t(i+1), so t(i+k) is them k-1 places on and module k's target k places on."""
+def loss(model, x_BLD, targets_BL, places):
+    """The mean cross entropy of the Transformer `model`'s modules (model.mtp, stacked) after its
+    last layer's output x_BLD, each module's layer placed and gathered as the model's layers are.
+    targets_BL are the next tokens t(i+1), so t(i+k) is them k-1 places on and module k's target
+    k places on."""
+    graphdef, state = nnx.split(model.mtp)
+    params, dims = nnx.to_pure_dict(state), model._stored_dims(state)  # dims: a module's, as a layer's
+    norm_def = nnx.split(model.mtp.final_norm)[0]
     total, h_BLD = 0.0, x_BLD
-    for k in range(1, depth + 1):
-        e_BLD = embed(shifted(targets_BL, k - 1)).astype(h_BLD.dtype)
-        h_BLD = run_module(k - 1, jnp.concatenate([e_BLD, h_BLD], axis=-1))
-        total = total + head_loss(k - 1, h_BLD, shifted(targets_BL, k), valid(targets_BL, k))
-    return total / depth
+    for k in range(1, model.spec.mtp_depth + 1):
+        module = jax.tree.map(lambda a, k=k: a[k - 1], params)
+        e_BLD = model.embed_tokens(shifted(targets_BL, k - 1), places).astype(h_BLD.dtype)
+        h_BLD = model._run_layer(lambda p, x, places: nnx.merge(graphdef, p)(x, places), module, dims,
+                                 jnp.concatenate([e_BLD, h_BLD], axis=-1), places)[0]
+        final_norm = (norm_def, module["final_norm"], dims and dims["final_norm"])
+        total = total + model.head_loss(h_BLD, shifted(targets_BL, k), final_norm, valid(targets_BL, k))[0]
+    return total / model.spec.mtp_depth

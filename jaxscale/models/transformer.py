@@ -266,27 +266,6 @@ class Transformer(nnx.Module):
         return cross_entropy(x_BLD, head, targets_BL, s.strategy.layout, s.weights, s.head_chunk_mib, prelude,
                              s.final_logit_softcap, mask_BL)
 
-    def mtp_loss(self, x_BLD, targets_BL, places: Placement):
-        """The multi-token prediction modules' mean loss (models.prediction) after the last
-        layer's output x_BLD; each module's layer placed and gathered as the model's layers are."""
-        graphdef, state = nnx.split(self.mtp)
-        params, dims = nnx.to_pure_dict(state), self._stored_dims(state)  # dims: a module's, as a layer's
-        norm_def = nnx.split(self.mtp.final_norm)[0]
-
-        def module(k):
-            return jax.tree.map(lambda a: a[k], params)
-
-        def run_module(k, eh_BLX):
-            return self._run_layer(lambda p, x, places: nnx.merge(graphdef, p)(x, places), module(k), dims,
-                                   eh_BLX, places)[0]
-
-        def head_loss(k, h_BLD, targets, mask):
-            final = (norm_def, module(k)["final_norm"], dims and dims["final_norm"])
-            return self.head_loss(h_BLD, targets, final, mask)[0]
-
-        return prediction.losses(run_module, lambda tokens: self.embed_tokens(tokens, places), head_loss,
-                                 self.spec.mtp_depth, x_BLD, targets_BL)
-
     def logits(self, x_BLD):
         """Float32 logits [B, L, V] of the last layer's output: final norm, then the head (then
         the soft-cap, model.final_logit_softcap)."""
@@ -575,8 +554,8 @@ class LanguageModel:
         x_BLD, _, stats = model.hidden(inputs_BL, places)
         loss, z_loss = model.head_loss(x_BLD, targets_BL)
         stats = {**stats, "z_loss": z_loss} if self.spec.z_loss_weight else stats
-        return loss, {**stats, prediction.LOSS: model.mtp_loss(x_BLD, targets_BL, places)} if self.spec.mtp_depth \
-            else stats
+        return loss, {**stats, prediction.LOSS: prediction.loss(model, x_BLD, targets_BL, places)} \
+            if self.spec.mtp_depth else stats
 
     def _lay_out(self, arrays_BL: tuple, segments_BL):
         """(arrays, Placement, order): token arrays in natural order, with their positions (from each
