@@ -18,10 +18,14 @@ from pathlib import Path
 # train step 4x slower than its classic IR emitters (2.5 s against 0.6 s for test_step's 2-layer
 # model at -O0), measured. The HLO and its buffers are the same; each test compares programs
 # compiled with the same flags. A test that runs a hundred steps takes FAST_RUN instead: -O1
-# compiles slower but runs tiny.py's step in 171 ms against 480 ms at -O0 (measured).
+# compiles slower but runs tiny.py's step in 171 ms against 480 ms at -O0 (measured). Both compile
+# each program's LLVM module whole, on one thread (split_count=1): XLA:CPU splits it for parallel
+# code generation by default, which on 2 cores shared by 3 test workers costs more CPU than it
+# saves (tests/test_step.py alone: 135 against 164 CPU-seconds, test_model.py 38 against 45, measured).
+ONE_MODULE = "--xla_cpu_parallel_codegen_split_count=1"
 FAST_COMPILE = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                "--xla_cpu_use_fusion_emitters=false")
-FAST_RUN = "--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false"
+                f"--xla_cpu_use_fusion_emitters=false {ONE_MODULE}")
+FAST_RUN = f"--xla_backend_optimization_level=1 --xla_cpu_use_fusion_emitters=false {ONE_MODULE}"
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {FAST_COMPILE} --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
