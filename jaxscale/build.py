@@ -78,17 +78,19 @@ class Run:
         """jitted (params, batch) -> mean loss."""
         return jit_eval_step(self.step_spec)
 
-    def batch_shape(self) -> dict[str, jax.ShapeDtypeStruct]:
-        """The abstract global batch {'inputs', 'targets'} the train step takes (and 'segments', the
-        document ids, with data.document_mask)."""
+    def batch_shape(self, keys: tuple[str, ...] | None = None) -> dict[str, jax.ShapeDtypeStruct]:
+        """The abstract global batch the train step takes: `keys` (Data.keys), else {'inputs',
+        'targets'} (and 'segments', the document ids, with data.document_mask)."""
         t = self.config.train
         tokens = jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len), np.int32, sharding=self.batch_sharding)
-        keys = ("inputs", "targets", "segments") if self.config.data.document_mask else ("inputs", "targets")
+        if keys is None:
+            keys = ("inputs", "targets", "segments") if self.config.data.document_mask else ("inputs", "targets")
         return dict.fromkeys(keys, tokens)
 
-    def compile(self):
-        """(the train step compiled ahead of time, seconds it took): step times never include it."""
-        start, args = time.perf_counter(), (self.abstract_state, self.batch_shape())
+    def compile(self, keys: tuple[str, ...] | None = None):
+        """(the train step compiled ahead of time for batches of `keys` (see batch_shape), seconds
+        it took): step times never include it."""
+        start, args = time.perf_counter(), (self.abstract_state, self.batch_shape(keys))
         key = program_cache.key("train_step", self.config, self.devices, *args)
         compiled, _ = program_cache.load_or_compile(key, lambda: self.train_step.lower(*args))
         return compiled, time.perf_counter() - start

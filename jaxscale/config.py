@@ -174,6 +174,9 @@ def _add_training(c: ml_collections.ConfigDict) -> None:
         val_fraction=0.05,     # the last 5% of tokens are held out for validation
         num_threads=2,         # reader threads; 0 reads in the training thread
         document_mask=False,   # packed documents attend only within themselves (split at the tokenizer's EOS id)
+        # Chat records ({"messages": [...]} or {"prompt", "completion"}) in .jsonl/.parquet/save_to_disk files:
+        chat_template="",      # "" = the tokenizer's own (beside data.tokenizer) | chatml | path/to/template.jinja
+        train_on="assistant",  # all | assistant (every assistant turn) | completion (the last one): the loss mask
     )
     c.checkpoint = dict(
         every_steps=500,       # async save every N steps (0 = only at the end); always saved at the last step

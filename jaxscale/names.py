@@ -63,6 +63,7 @@ BUILT_IN_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bub
 PIPELINE_SCHEDULES = (*BUILT_IN_SCHEDULES, "file")
 SOURCES = ("auto", "embedded", "synthetic", "file")
 TOKEN_DTYPES = ("uint16", "uint32")
+TRAIN_ON = ("all", "assistant", "completion")  # data.train_on: which tokens of chat records are trained
 SPIKE_ACTIONS = ("skip", "rollback")
 WANDB_MODES = ("online", "offline", "disabled")  # or "" for W&B's own setting
 

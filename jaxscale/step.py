@@ -19,12 +19,13 @@ from jaxscale import guard as guard_lib
 from jaxscale import state as state_lib
 from jaxscale.guard import GuardSpec
 from jaxscale.models import LanguageModel, moe
+from jaxscale.models.vocab import IGNORE
 from jaxscale.offload import has_host, on_device
 from jaxscale.parallel import microbatch
 from jaxscale.sharding import Layout
 from jaxscale.state import TrainState
 
-Batch = dict[str, jax.Array]  # {'inputs', 'targets'}: int32 [B, L]
+Batch = dict[str, jax.Array]  # {'inputs', 'targets'} (+ 'segments', 'mask'): int32 [B, L]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -57,15 +58,31 @@ class StepSpec:
         return self.state_shardings if has_host(self.state_shardings) else None
 
 
-def loss_fn(params: dict, batch: Batch, spec: StepSpec) -> tuple[jax.Array, dict]:
+def trained(batch: Batch, pieces: int = 1) -> tuple[Batch, jax.Array | None]:
+    """(batch, count) for a batch split into `pieces` whose losses are averaged. With a loss mask
+    (batch['mask']: 1 where a target is trained), the batch without it, each untrained target
+    IGNORE, and count the trained tokens of the whole batch over `pieces`: each piece divides the
+    sum of its trained tokens' losses by count, so the pieces' mean is the mean over every trained
+    token of the batch, however unevenly they fall. Without a mask, (batch, None): each piece's
+    mean over its own tokens, all of them trained."""
+    if "mask" not in batch:
+        return batch, None
+    keep = batch["mask"] > 0
+    rest = {key: value for key, value in batch.items() if key != "mask"}
+    count = jnp.maximum(jnp.sum(keep, dtype=jnp.float32), 1.0) / pieces  # no trained token: a zero loss
+    return {**rest, "targets": jnp.where(keep, batch["targets"], IGNORE)}, count
+
+
+def loss_fn(params: dict, batch: Batch, spec: StepSpec, count=None) -> tuple[jax.Array, dict]:
     """(training objective, metrics) of model.loss: the float32 parameters cast to the compute
-    dtype where the model uses them, the loss in float32, activations placed by its strategy's layout."""
-    return spec.model.loss(params, batch["inputs"], batch["targets"], batch.get("segments"))
+    dtype where the model uses them, the loss in float32, activations placed by its strategy's
+    layout; with `count` (see trained), the sum over the trained targets divided by it."""
+    return spec.model.loss(params, batch["inputs"], batch["targets"], batch.get("segments"), count)
 
 
-def _grad_fn(spec: StepSpec):
+def _grad_fn(spec: StepSpec, count=None):
     """(params, batch) -> (metrics of loss_fn, gradients of the training objective)."""
-    value_and_grad = jax.value_and_grad(functools.partial(loss_fn, spec=spec), has_aux=True)
+    value_and_grad = jax.value_and_grad(functools.partial(loss_fn, spec=spec, count=count), has_aux=True)
 
     def fn(params, batch):
         (_, metrics), grads = value_and_grad(params, batch)
@@ -74,10 +91,10 @@ def _grad_fn(spec: StepSpec):
     return fn
 
 
-def _accumulate(params, batch: Batch, spec: StepSpec, grad_shardings=None):
+def _accumulate(params, batch: Batch, spec: StepSpec, grad_shardings=None, count=None):
     """Mean (metrics, grads) over spec.accum_steps microbatches, summed in float32. With
     `grad_shardings`, each microbatch's gradients and the running sum are kept there."""
-    grad_fn, shapes = _grad_fn(spec), {"loss": (), **spec.model.stat_shapes}
+    grad_fn, shapes = _grad_fn(spec, count), {"loss": (), **spec.model.stat_shapes}
 
     def place(grads):
         return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
@@ -92,16 +109,21 @@ def _accumulate(params, batch: Batch, spec: StepSpec, grad_shardings=None):
     return jax.tree.map(lambda x: x / spec.accum_steps, total)
 
 
-def _accumulate_per_replica(params, batch: Batch, spec: StepSpec):
+def _accumulate_per_replica(params, batch: Batch, spec: StepSpec, count=None):
     """Accumulate inside shard_map over `data`: each replica sums its microbatch gradients
     locally and they are reduced across `data` once per step, not once per microbatch.
-    Inside, the replica's rows stay split over the other batch axes (fsdp, expert) as usual."""
-    def local(params, batch):
-        return jax.lax.pmean(_accumulate(params, batch, spec), "data")
+    Inside, the replica's rows stay split over the other batch axes (fsdp, expert) as usual.
+    `count` (see trained) is the whole batch's over its pieces: a replica's share of it is
+    count / data, so that the mean over replicas stays the mean over every trained token."""
+    replicas = spec.layout.mesh.shape["data"]
+
+    def local(params, batch, count):
+        share = None if count is None else count / replicas
+        return jax.lax.pmean(_accumulate(params, batch, spec, count=share), "data")
 
     # check_vma=False: gradients of the replicated params stay per-device until the pmean.
-    return jax.shard_map(local, mesh=spec.layout.mesh, in_specs=(P(), spec.layout.rows_over("data")), out_specs=P(),
-                         axis_names={"data"}, check_vma=False)(params, batch)
+    return jax.shard_map(local, mesh=spec.layout.mesh, in_specs=(P(), spec.layout.rows_over("data"), P()),
+                         out_specs=P(), axis_names={"data"}, check_vma=False)(params, batch, count)
 
 
 def loss_and_grads(params, batch: Batch, spec: StepSpec):
@@ -117,11 +139,12 @@ def loss_and_grads(params, batch: Batch, spec: StepSpec):
     and FSDP2's default do. Summing whole locally and reducing once, as ZeRO-2 did before, sends
     less but keeps the whole sum, which is what ZeRO-2 exists to avoid (benchmarks/results/memory.md,
     "ZeRO-2 under accumulation", has both measured)."""
+    batch, count = trained(batch, spec.accum_steps)
     if spec.accum_steps == 1:
-        return _grad_fn(spec)(params, batch)
+        return _grad_fn(spec, count)(params, batch)
     if spec.layout.zero_stage < 2:
-        return _accumulate_per_replica(params, batch, spec)
-    return _accumulate(params, batch, spec, spec.grad_shardings)
+        return _accumulate_per_replica(params, batch, spec, count)
+    return _accumulate(params, batch, spec, spec.grad_shardings, count)
 
 
 def _on_device(state: TrainState, spec: StepSpec) -> TrainState:
@@ -149,9 +172,16 @@ def train_step(state: TrainState, batch: Batch, spec: StepSpec):
     new = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                      rng=jax.random.fold_in(state.rng, state.step), guard=guard_state)
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": spec.schedule(state.step),
-               "tokens": jnp.asarray(batch["targets"].size, jnp.int32), "spike": spike,
+               "tokens": _trained_tokens(batch), "spike": spike,
                "nonfinite_skips": guard_state["nonfinite"], "spike_skips": guard_state["spikes"], **stats}
     return new, metrics
+
+
+def _trained_tokens(batch: Batch) -> jax.Array:
+    """The targets the step trained on: all of them, or those the loss mask keeps."""
+    if "mask" not in batch:
+        return jnp.asarray(batch["targets"].size, jnp.int32)
+    return jnp.sum(batch["mask"] > 0, dtype=jnp.int32)
 
 
 def jit_train_step(spec: StepSpec):
@@ -165,11 +195,12 @@ def jit_train_step(spec: StepSpec):
 
 
 def jit_eval_step(spec: StepSpec):
-    """Mean validation loss (cross entropy) of one batch: (params, batch) -> loss."""
+    """Mean validation loss (cross entropy) of one batch, over its trained targets: (params, batch) -> loss."""
     params_shardings = spec.state_shardings.params
 
     def fn(params, batch):
-        return loss_fn(on_device(params, params_shardings), batch, spec)[1]["loss"]
+        batch, count = trained(batch)
+        return loss_fn(on_device(params, params_shardings), batch, spec, count)[1]["loss"]
 
     replicated = NamedSharding(spec.layout.mesh, P())
     return jax.jit(fn, in_shardings=(params_shardings, spec.layout.batch_sharding()), out_shardings=replicated,

@@ -80,6 +80,12 @@ class Data:
         self._train = StepBatches(train, settings.global_batch, rows)
         self._val = StepBatches(val, settings.global_batch, rows)
 
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The arrays of every batch: inputs and targets, and segments (data.document_mask) and
+        mask (chat data) where they come."""
+        return tuple(self.splits[0].train[0])
+
     def identity(self) -> dict:
         """What a checkpoint records of the data beside its position: each source's name, weight
         and training windows (a resume on other data is told so)."""
@@ -120,9 +126,9 @@ def _tokens(windows, seq_len: int) -> int:
     return windows.tokens if isinstance(windows, TokenWindows) else len(windows) * seq_len
 
 
-def _split(source: sources.Source, s: DataSettings, eos_id: int | None) -> Split:
+def _split(source: sources.Source, s: DataSettings, eos_id: int | None, masked: bool = False) -> Split:
     train, val = train_val_windows(source.pieces, s.seq_len, s.val_fraction, eos_id,
-                                   name=source.name if s.mixture else "")
+                                   name=source.name if s.mixture else "", masks=source.masks, masked=masked)
     return Split(source.name, train, val, source.weight)
 
 
@@ -132,7 +138,18 @@ def _file_splits(s: DataSettings, tokenizer: Tokenizer) -> tuple[list[Split], tu
     eos_id = tokenizer.eos_id if s.document_mask else None
     encoded = sum(source.encoded_bytes for source in loaded)
     notes = (sources.PREPARE_NOTE.format(mib=encoded / 2**20, files="text files are"),) if encoded else ()
-    return [_split(source, s, eos_id) for source in loaded], notes + _mixture_notes(loaded, s)
+    masked = any(source.masks is not None for source in loaded)  # then every batch carries a mask
+    return ([_split(source, s, eos_id, masked) for source in loaded],
+            notes + _mixture_notes(loaded, s) + _mask_notes(loaded, s))
+
+
+def _mask_notes(loaded: list[sources.Source], s: DataSettings) -> tuple[str, ...]:
+    masks = [mask for source in loaded for mask in source.masks or ()]
+    if not masks:
+        return ()
+    trained, total = sum(int(m.sum()) for m in masks), sum(len(m) for m in masks)
+    return (f"chat data: {trained:,} of {total:,} tokens trained (data.train_on={s.train_on}); the loss is the mean "
+            "over the trained tokens of each global batch, and `tokens` counts only them",)
 
 
 def _mixture_notes(loaded: list[sources.Source], s: DataSettings) -> tuple[str, ...]:

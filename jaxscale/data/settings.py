@@ -13,7 +13,7 @@ import dataclasses
 import re
 
 from jaxscale.errors import ConfigError, require, require_choice
-from jaxscale.names import SOURCES, TOKEN_DTYPES
+from jaxscale.names import SOURCES, TOKEN_DTYPES, TRAIN_ON
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +29,8 @@ class DataSettings:
     val_fraction: float
     num_threads: int
     document_mask: bool
+    chat_template: str
+    train_on: str
     seq_len: int
     global_batch: int
     seed: int
@@ -37,7 +39,7 @@ class DataSettings:
 
 # The DataSettings fields read as they are from config.data.
 _DATA_FIELDS = ("source", "path", "tokenizer", "text_field", "token_dtype", "val_fraction", "num_threads",
-                "document_mask")
+                "document_mask", "chat_template", "train_on")
 
 
 MIXTURE_FORM = "write data.mixture as NAME=PATH:WEIGHT,... (e.g. web=stores/web:0.7,code=stores/code:0.3)"
@@ -67,6 +69,7 @@ def check(config) -> None:
     """config.data (and train.seed) are usable; raises ConfigError naming the field and the fix."""
     d = config.data
     require_choice("data.source", d.source, SOURCES)
+    require_choice("data.train_on", d.train_on, TRAIN_ON)
     require(d.source in ("auto", "file") or not (d.path or d.mixture), "data.source", d.source,
             "data.path or data.mixture is set: use data.source=file (or auto), or clear them")
     require(not (d.path and d.mixture), "data.mixture", d.mixture, "data.path is set too; use one of them")

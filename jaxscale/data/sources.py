@@ -4,7 +4,8 @@ A source is named by comma-separated token stores, files, directories and globs
 (`data.path`, or one entry of `data.mixture`), read in that order as a list of pieces: one per
 store shard or file. Stores (python -m jaxscale.prepare) and pre-tokenized files (.bin, .npy) are
 memory-mapped, never read whole; text and document files without a store are encoded at every
-start, which suits small data (the run says once that `prepare` exists).
+start, which suits small data (the run says once that `prepare` exists). Chat records
+(jaxscale.data.chat) are rendered and encoded at every start too, with their loss mask.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxscale.data import formats, store
+from jaxscale.data import chat, formats, store
 from jaxscale.data.encode import encode_all
 from jaxscale.data.formats import Piece
 from jaxscale.data.settings import DataSettings
@@ -27,12 +28,14 @@ PREPARE_NOTE = ("data: {files} read and tokenized at every start ({mib:.1f} MiB)
 
 @dataclasses.dataclass
 class Source:
-    """A named token stream: its pieces in order, and its weight in a mixture."""
+    """A named token stream: its pieces in order, and its weight in a mixture; a chat source's
+    loss masks, one per piece (1 where a token is trained), else None."""
 
     name: str
     pieces: list[np.ndarray]
     weight: float = 1.0
     encoded_bytes: int = 0   # of text encoded at this start (0 when every piece is memory-mapped)
+    masks: list[np.ndarray] | None = None
 
 
 def embedded_pieces() -> list[Piece]:
@@ -103,8 +106,12 @@ def _store_shards(path: Path, settings: DataSettings, tokenizer: Tokenizer, fiel
 def load(name: str, spec: str, settings: DataSettings, tokenizer: Tokenizer, field: str = "data.path",
          weight: float = 1.0) -> Source:
     """The source `spec` names, every file checked; ConfigError(field or the part at fault) else."""
+    paths = formats.expand(spec, field)
+    chats = [path for path in paths if path.is_file() and chat.is_chat(path, settings.text_field)]
+    if chats:
+        return _chat_source(name, paths, chats, settings, tokenizer, field, weight)
     pieces, encoded = [], 0
-    for path in formats.expand(spec, field):
+    for path in paths:
         if path.is_dir():
             pieces += _store_shards(path, settings, tokenizer, field)
         elif formats.kind_of(path) == "tokens":
@@ -114,6 +121,28 @@ def load(name: str, spec: str, settings: DataSettings, tokenizer: Tokenizer, fie
             pieces.append(encode_all(formats.read(formats.whole_file(path), settings.text_field), tokenizer))
             encoded += path.stat().st_size
     return Source(name, pieces, weight, encoded)
+
+
+def _chat_source(name: str, paths: list[Path], chats: list[Path], settings: DataSettings, tokenizer: Tokenizer,
+                 field: str, weight: float) -> Source:
+    """A source of chat records only: each file's tokens and loss mask."""
+    other = next((path for path in paths if path not in chats), None)
+    if other is not None:
+        raise ConfigError(field, str(other), f"is not chat records, beside {chats[0]}; give chat and other data as "
+                          "separate sources of data.mixture")
+    check_tokenizer_vocab(tokenizer, settings.vocab_size)
+    template = chat.load_template(settings.chat_template, settings.tokenizer) if _needs_template(chats, settings) \
+        else None
+    encoded = [chat.encode(path, template, tokenizer, settings.train_on) for path in chats]
+    return Source(name, [tokens for tokens, _ in encoded], weight, sum(path.stat().st_size for path in chats),
+                  [mask for _, mask in encoded])
+
+
+def _needs_template(paths: list[Path], settings: DataSettings) -> bool:
+    """A template is loaded when one is named or the first record is a conversation (prompt and
+    completion strings are joined without one)."""
+    first = next(chat.records(paths[0]))[0]
+    return bool(settings.chat_template) or not (isinstance(first.get("prompt"), str) and "messages" not in first)
 
 
 def embedded(settings: DataSettings, tokenizer: Tokenizer) -> Source:

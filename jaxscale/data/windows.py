@@ -9,6 +9,9 @@ splits share no target.
 With document masking each window also carries its inputs' segment ids: documents end with the
 tokenizer's EOS id (text sources put one after each document, and pre-tokenized streams are
 expected to), so a new document starts after each EOS among the inputs.
+
+Chat data (jaxscale.data.chat) comes with a loss mask, a stream beside the tokens cut the same
+way: each window then carries `mask`, 1 where its target is trained.
 """
 
 from __future__ import annotations
@@ -19,28 +22,34 @@ import numpy as np
 
 from jaxscale.errors import ConfigError
 
-Example = dict[str, np.ndarray]  # {'inputs', 'targets'} (+ 'segments'): int32 [seq_len]
+Example = dict[str, np.ndarray]  # {'inputs', 'targets'} (+ 'segments', 'mask'): int32 [seq_len]
 NO_EOS = -1  # an eos_id no token has: each window one document
 
 
-def example(window: np.ndarray, eos_id: int | None = None) -> Example:
+def example(window: np.ndarray, eos_id: int | None = None, mask: np.ndarray | None = None) -> Example:
     """inputs = window[:-1], targets = window[1:], both int32; given eos_id, also segments: each
-    input's document number within the window (0 first, one more after each EOS input)."""
+    input's document number within the window (0 first, one more after each EOS input); given
+    the window's mask (1 per trained token), also the targets' mask = mask[1:]."""
     window = np.asarray(window, dtype=np.int32)
     inputs = window[:-1]
-    if eos_id is None:
-        return {"inputs": inputs, "targets": window[1:]}
-    segments = np.concatenate([[0], np.cumsum(inputs[:-1] == eos_id)]).astype(np.int32)
-    return {"inputs": inputs, "targets": window[1:], "segments": segments}
+    out = {"inputs": inputs, "targets": window[1:]}
+    if eos_id is not None:
+        out["segments"] = np.concatenate([[0], np.cumsum(inputs[:-1] == eos_id)]).astype(np.int32)
+    if mask is not None:
+        out["mask"] = np.asarray(mask[1:], dtype=np.int32)
+    return out
 
 
 class TokenWindows(Sequence):
     """Random access to the windows of a list of (possibly memory-mapped) token streams, each
     cut on its own (no window spans two pieces); indices wrap. Given eos_id, each window carries
-    segment ids (see example)."""
+    segment ids (see example); given masks (one per piece, as long), its loss mask, and with
+    `masked` and no masks a mask of ones (a source without one, mixed with chat data)."""
 
-    def __init__(self, pieces: list[np.ndarray], seq_len: int, eos_id: int | None = None):
-        self.pieces, self.seq_len, self.eos_id = pieces, seq_len, eos_id
+    def __init__(self, pieces: list[np.ndarray], seq_len: int, eos_id: int | None = None,
+                 masks: list[np.ndarray] | None = None, masked: bool = False):
+        self.pieces, self.seq_len, self.eos_id, self.masks = pieces, seq_len, eos_id, masks
+        self.masked = masked or masks is not None
         counts = [max(0, (len(piece) - 1) // seq_len) for piece in pieces]
         self._starts = np.cumsum([0] + counts)  # the first window of each piece
         self.tokens = sum(len(piece) for piece in pieces)
@@ -53,7 +62,11 @@ class TokenWindows(Sequence):
         piece = int(np.searchsorted(self._starts, index, side="right")) - 1
         start = (index - int(self._starts[piece])) * self.seq_len
         # Slicing a memmap reads only these seq_len+1 tokens from disk.
-        return example(self.pieces[piece][start:start + self.seq_len + 1], self.eos_id)
+        window = slice(start, start + self.seq_len + 1)
+        mask = self.masks[piece][window] if self.masks is not None else None
+        if mask is None and self.masked:
+            mask = np.ones(self.seq_len + 1, np.int32)
+        return example(self.pieces[piece][window], self.eos_id, mask)
 
 
 def split(pieces: list[np.ndarray], val_fraction: float) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -70,10 +83,13 @@ def split(pieces: list[np.ndarray], val_fraction: float) -> tuple[list[np.ndarra
 
 
 def train_val_windows(pieces: list[np.ndarray], seq_len: int, val_fraction: float,
-                      eos_id: int | None = None, name: str = "") -> tuple[TokenWindows, TokenWindows]:
-    """Windows of both splits (with segment ids split at eos_id, if given); ConfigError when
-    either split is too short for one window."""
-    train, val = (TokenWindows(part, seq_len, eos_id) for part in split(pieces, val_fraction))
+                      eos_id: int | None = None, name: str = "", masks: list[np.ndarray] | None = None,
+                      masked: bool = False) -> tuple[TokenWindows, TokenWindows]:
+    """Windows of both splits (with segment ids split at eos_id, if given; masks, as pieces, cut
+    as they are; masked: see TokenWindows); ConfigError when either split is too short for one
+    window."""
+    cut = [split(part, val_fraction) if part is not None else (None, None) for part in (pieces, masks)]
+    train, val = (TokenWindows(tokens, seq_len, eos_id, mask, masked) for tokens, mask in zip(*cut))
     source = f" of {name}" if name else ""
     if not len(train):
         fix = (f"the training split{source} has only {train.tokens} tokens, fewer than seq_len+1 in any piece; "

@@ -45,7 +45,7 @@ def stage_fn(model):
     return stage
 
 
-def loss(lm, params: dict, inputs_BL, targets_BL, places):
+def loss(lm, params: dict, inputs_BL, targets_BL, places, count=None):
     """(objective, metrics) of the LanguageModel `lm` as the pipeline schedule's executor
     computes them (forward and backward in one table, parallel.executor): the embedding on the
     first stage, the head and the loss on the last, an MoE stage's router losses differentiated
@@ -63,11 +63,11 @@ def loss(lm, params: dict, inputs_BL, targets_BL, places):
     def embed(outer, tokens_BL, places):
         return model(outer).embed_tokens(tokens_BL, places)
 
-    def head_loss(outer, x_BLD, targets_BL):  # no z-loss under a pipeline (models.checks)
-        return model(outer).head_loss(x_BLD, targets_BL)[0]
+    def head_loss(outer, x_BLD, targets_BL, count):  # no z-loss under a pipeline (models.checks)
+        return model(outer).head_loss(x_BLD, targets_BL, count=count)[0]
 
-    def primal(stacked, outer, tokens_BL, targets_BL, places):
-        return lm._objective(*lm._loss({**outer, "layers": stacked}, tokens_BL, targets_BL, places))
+    def primal(stacked, outer, tokens_BL, targets_BL, places, count):
+        return lm._objective(*lm._loss({**outer, "layers": stacked}, tokens_BL, targets_BL, places, count))
 
     def finish(loss, stats):  # the stages' statistics [P * V, ...], in layer order
         if not stats:
@@ -84,4 +84,4 @@ def loss(lm, params: dict, inputs_BL, targets_BL, places):
     kept = jax.tree.map(kept_of, lm.axes["layers"], lm.shapes["layers"],
                         is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(n, str) for n in x))
     run = executor.pipelined_loss(s.table(), fns, primal, finish, s.layout, kept)  # each stage its own experts
-    return run(params["layers"], outer, inputs_BL, targets_BL, places)
+    return run(params["layers"], outer, inputs_BL, targets_BL, places, count)

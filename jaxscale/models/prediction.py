@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxscale.models.layers import RESIDUAL, norm, normal
+from jaxscale.models.vocab import IGNORE
 from jaxscale.sharding import constrain
 
 LOSS = "mtp_loss"
@@ -61,20 +62,24 @@ def valid(tokens_BL, k: int):
     return jnp.broadcast_to((jnp.arange(length) < length - k).astype(jnp.float32), tokens_BL.shape)
 
 
-def loss(model, x_BLD, targets_BL, places):
+def loss(model, x_BLD, inputs_BL, targets_BL, places):
     """The mean cross entropy of the Transformer `model`'s modules (model.mtp, stacked) after its
     last layer's output x_BLD, each module's layer placed and gathered as the model's layers are.
-    targets_BL are the next tokens t(i+1), so t(i+k) is them k-1 places on and module k's target
-    k places on."""
+    Module k reads t(i+k), the inputs k places on, and predicts t(i+k+1), the targets k places
+    on, where the row has it. Under a loss mask (targets vocab.IGNORE where not trained) it
+    trains on the trained ones, each module's loss their mean in this batch (or microbatch);
+    an untrained token is still read as an input."""
     graphdef, state = nnx.split(model.mtp)
     params, dims = nnx.to_pure_dict(state), model._stored_dims(state)  # dims: a module's, as a layer's
     norm_def = nnx.split(model.mtp.final_norm)[0]
     total, h_BLD = 0.0, x_BLD
     for k in range(1, model.spec.mtp_depth + 1):
         module = jax.tree.map(lambda a, k=k: a[k - 1], params)
-        e_BLD = model.embed_tokens(shifted(targets_BL, k - 1), places).astype(h_BLD.dtype)
+        e_BLD = model.embed_tokens(shifted(inputs_BL, k), places).astype(h_BLD.dtype)
         h_BLD = model._run_layer(lambda p, x, places: nnx.merge(graphdef, p)(x, places), module, dims,
                                  jnp.concatenate([e_BLD, h_BLD], axis=-1), places)[0]
         final_norm = (norm_def, module["final_norm"], dims and dims["final_norm"])
-        total = total + model.head_loss(h_BLD, shifted(targets_BL, k), final_norm, valid(targets_BL, k))[0]
+        target_BL = shifted(targets_BL, k)
+        keep_BL = valid(targets_BL, k) * (target_BL != IGNORE)
+        total = total + model.head_loss(h_BLD, jnp.maximum(target_BL, 0), final_norm, keep_BL)[0]
     return total / model.spec.mtp_depth

@@ -250,11 +250,12 @@ class Transformer(nnx.Module):
             x_BLD = x_BLD * jnp.asarray(self.spec.d_model ** 0.5, x_BLD.dtype)
         return constrain(x_BLD, layout, RESIDUAL)
 
-    def head_loss(self, x_BLD, targets_BL, final_norm=None, mask_BL=None):
+    def head_loss(self, x_BLD, targets_BL, final_norm=None, mask_BL=None, count=None):
         """(mean next-token cross entropy, mean squared log-sum-exp: the z-loss) of the last
         layer's output x_BLD: the final norm (or `final_norm`: (its graphdef, params, stored
         dims)), the head and the loss in one vocabulary-parallel pass (models.vocab), no
-        [tokens, V] logits; with mask_BL, over the tokens it keeps."""
+        [tokens, V] logits; with mask_BL, over the tokens it keeps; with count, the sums over
+        the targets that are not vocab.IGNORE divided by it."""
         s = self.spec
         head = (Table(self.embed[...], ("vocab", "embed")) if s.tie_embeddings else
                 Table(self.head[...], ("embed", "vocab"), transposed=True))
@@ -264,7 +265,7 @@ class Transformer(nnx.Module):
         norm_def, norm_params, norm_dims = final_norm
         prelude = (lambda params, x: nnx.merge(norm_def, params)(x), norm_params, norm_dims)
         return cross_entropy(x_BLD, head, targets_BL, s.strategy.layout, s.weights, s.head_chunk_mib, prelude,
-                             s.final_logit_softcap, mask_BL)
+                             s.final_logit_softcap, mask_BL, count)
 
     def logits(self, x_BLD):
         """Float32 logits [B, L, V] of the last layer's output: final norm, then the head (then
@@ -531,30 +532,32 @@ class LanguageModel:
         logits_BLV, stats = self._forward(params, tokens_BL, places)
         return (logits_BLV, stats) if order is None else (logits_BLV[:, np.argsort(order)], stats)
 
-    def loss(self, params: dict, inputs_BL, targets_BL, segments_BL=None):
+    def loss(self, params: dict, inputs_BL, targets_BL, segments_BL=None, count=None):
         """(training objective, metrics): metrics['loss'] is the mean next-token cross entropy;
         an MoE model adds its router losses, weighted, to the objective and its router
         statistics (stat_names) to the metrics, and model.z_loss_weight the logits' z-loss.
-        segments_BL as in apply_with_stats. With a context-parallel strategy, inputs, targets,
-        positions and segments are reordered together (zig-zag), which leaves the function and
-        the mean loss unchanged and saves putting the logits back in order."""
+        segments_BL as in apply_with_stats. With `count` (step.trained: a loss mask), targets
+        that are vocab.IGNORE are not trained and the cross entropy is the sum over the others
+        divided by count. With a context-parallel strategy, inputs, targets, positions and
+        segments are reordered together (zig-zag), which leaves the function and the mean loss
+        unchanged and saves putting the logits back in order."""
         (inputs_BL, targets_BL), places, _ = self._lay_out((inputs_BL, targets_BL), segments_BL)
         if self.spec.strategy.pipeline != "none" and self.spec.strategy.context == "none":
-            return pipelined.loss(self, params, inputs_BL, targets_BL, places)
-        return self._objective(*self._loss(params, inputs_BL, targets_BL, places))
+            return pipelined.loss(self, params, inputs_BL, targets_BL, places, count)
+        return self._objective(*self._loss(params, inputs_BL, targets_BL, places, count))
 
     def _objective(self, loss, stats: dict):
         """(training objective, metrics) from the mean cross entropy and the statistics."""
         return loss + self.extra_loss(stats), {"loss": loss, **stats}
 
-    def _loss(self, params: dict, inputs_BL, targets_BL, places: Placement):
+    def _loss(self, params: dict, inputs_BL, targets_BL, places: Placement, count=None):
         """(mean cross entropy, statistics: the router's and the z-loss, see stat_names) of the
-        tokens as laid out."""
+        tokens as laid out (count: see loss)."""
         model = nnx.merge(self.graphdef, params)
         x_BLD, _, stats = model.hidden(inputs_BL, places)
-        loss, z_loss = model.head_loss(x_BLD, targets_BL)
+        loss, z_loss = model.head_loss(x_BLD, targets_BL, count=count)
         stats = {**stats, "z_loss": z_loss} if self.spec.z_loss_weight else stats
-        return loss, {**stats, prediction.LOSS: prediction.loss(model, x_BLD, targets_BL, places)} \
+        return loss, {**stats, prediction.LOSS: prediction.loss(model, x_BLD, inputs_BL, targets_BL, places)} \
             if self.spec.mtp_depth else stats
 
     def _lay_out(self, arrays_BL: tuple, segments_BL):

@@ -39,6 +39,7 @@ from jaxscale.parallel.fsdp import Weights
 from jaxscale.sharding import Entries, entries, keep, to_spec
 
 IDS = ("batch", "act_length")  # token ids and targets: whole over `tensor`, as the rows they pick
+IGNORE = -1  # a target no loss is taken on (a masked token): it matches no column and weighs 0
 MIB = 2**20
 
 
@@ -293,18 +294,24 @@ def _local_loss(x_BLD, w_DV, targets_BL, mask_BL, d_axes, v_axes, columns, weigh
 
 
 def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chunk_mib: float, prelude=None,
-                  cap: float = 0.0, mask_BL=None):
+                  cap: float = 0.0, mask_BL=None, count=None):
     """(mean next-token cross entropy of the logits x @ head, mean squared log-sum-exp of the
     logits: the z-loss), over the vocabulary, float32 throughout, the logits in chunks, each
     soft-capped at `cap` (0: not); with mask_BL (0/1 per token, placed as the tokens) the means
-    over the tokens it keeps. x_BLD is placed as the residual stream; prelude(x) -> x, if given,
-    runs on it first (the final norm: inside the map, so its weights are gathered here) and is
-    (fn, params, stored dims of params)."""
+    over the tokens it keeps. With `count` (a float32 scalar) targets may be IGNORE, which weigh
+    0, and both sums are divided by count instead of by the tokens they weigh (step.trained: a
+    piece of a batch divides by its share of the whole batch's trained tokens). x_BLD is placed as
+    the residual stream; prelude(x) -> x, if given, runs on it first (the final norm: inside the
+    map, so its weights are gathered here) and is (fn, params, stored dims of params)."""
+    if count is not None:
+        kept = (targets_BL != IGNORE).astype(jnp.float32)
+        mask_BL = kept if mask_BL is None else mask_BL * kept
     if layout is None:
         x_BLD = prelude[0](prelude[1], x_BLD) if prelude else x_BLD
         w_DV = head.value.T if not head.transposed else head.value
         sums = _local_loss(x_BLD, w_DV, targets_BL, mask_BL, (), (), w_DV.shape[1], weights, chunk_mib, cap=cap)
-        count = targets_BL.size if mask_BL is None else jnp.sum(mask_BL.astype(jnp.float32))
+        if count is None:
+            count = targets_BL.size if mask_BL is None else jnp.sum(mask_BL.astype(jnp.float32))
         return tuple(total / count for total in sums)
     axes, here = _map(layout)
     x_spec, ids_spec = here.spec(RESIDUAL), here.spec(IDS)
@@ -317,7 +324,7 @@ def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chun
     columns = vocab // math.prod(layout.mesh.shape[a] for a in v_axes)
     fn, params, dims = prelude or (None, {}, {})
 
-    def local(x_BLD, w, targets_BL, params, mask_BL):
+    def local(x_BLD, w, targets_BL, params, mask_BL, given):
         if fn is not None:
             x_BLD = fn(jax.tree.map(lambda p, d: fsdp.gather(p, keep(d.split, axes), weights.compute), params, dims),
                        x_BLD)
@@ -328,7 +335,9 @@ def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chun
             w_DV = jax.lax.all_gather(w_DV, v_gather, axis=1, tiled=True)
         sums = _local_loss(x_BLD, w_DV, targets_BL, mask_BL, d_axes, v_axes, columns, weights, chunk_mib,
                            rings.stages(layout.mesh, d_axes), cap)
-        if mask_BL is None:
+        if given is not None:
+            count = given
+        elif mask_BL is None:
             count = targets_BL.size * math.prod(jax.lax.axis_size(a) for a in rows)
         else:
             count = jnp.sum(mask_BL.astype(jnp.float32))
@@ -340,6 +349,7 @@ def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chun
     w_spec = to_spec(w_dims[::-1] if head.transposed else w_dims)
     p_specs = jax.tree.map(lambda _, d: to_spec(keep(d.split, axes)), params, dims)
     inward = jax.tree.map(lambda p: p.astype(weights.reduce), (head.value, params))
-    return _mapped(local, layout, (x_spec, w_spec, ids_spec, p_specs, None if mask_BL is None else ids_spec),
-                   (P(), P()))(x_BLD, inward[0], targets_BL, inward[1], mask_BL)
+    return _mapped(local, layout, (x_spec, w_spec, ids_spec, p_specs, None if mask_BL is None else ids_spec,
+                            None if count is None else P()),
+                   (P(), P()))(x_BLD, inward[0], targets_BL, inward[1], mask_BL, count)
 

@@ -53,7 +53,8 @@ AXIS = "pipeline"
 class Fns(NamedTuple):
     """The model's parts the executor runs. embed(outer, tokens, places) -> x; stage(chunk
     params, x, places) -> (x, statistics: a dict of float32 arrays, {} for none); head_loss(outer,
-    x, targets) -> mean loss of the microbatch's rows; place(x) -> x laid out as the model's
+    x, targets, count) -> mean loss of the microbatch's rows (with a loss mask, count, a float32
+    scalar: the sum over its trained targets divided by it; else None); place(x) -> x laid out as the model's
     activations (every branch of the executor's conditionals states it, or the partitioner sees
     branches disagree); extra(statistics) -> what they add to the objective (linear; 0.0 for none)."""
 
@@ -144,8 +145,8 @@ class _Device:
     """One device inside the map: its layer chunks, the outer parameters, its microbatches, and
     one method per action kind, each (action row, state) -> (state, (sent ahead, sent back))."""
 
-    def __init__(self, fns: Fns, chunks, outer, tokens, targets, places):
-        self.fns = fns
+    def __init__(self, fns: Fns, chunks, outer, tokens, targets, places, count):
+        self.fns, self.count = fns, count
         self.chunks, self.outer, self.tokens, self.targets, self.places = chunks, outer, tokens, targets, places
         x0 = jax.eval_shape(fns.embed, outer, tokens[0], self.take(0))
         self.zeros = self.place(jnp.zeros(x0.shape, x0.dtype))
@@ -223,7 +224,7 @@ class _Device:
             y, (stats, extra) = self.stage(p, x, self.take(m))
 
             def at_last():
-                loss = self.fns.head_loss(o, y, self.targets[m]).astype(jnp.float32)
+                loss = self.fns.head_loss(o, y, self.targets[m], self.count).astype(jnp.float32)
                 return loss, loss
 
             def inside():
@@ -287,7 +288,12 @@ def _file(stash, slot, message):
     return stash.at[at].set(jnp.where(slot >= 0, message, stash[at]))
 
 
-def run(table: Table, fns: Fns, stacked, outer, tokens_BL, targets_BL, places, layout, kept=None):
+def pieces(table: Table, layout) -> int:
+    """The pieces whose losses the schedule averages: each microbatch on each batch shard."""
+    return table.microbatches * math.prod(layout.mesh.shape[a] for a in layout.batch_axes(AXIS))
+
+
+def run(table: Table, fns: Fns, stacked, outer, tokens_BL, targets_BL, places, layout, kept=None, trained=None):
     """(mean loss, gradients of the stacked layer params and of the outer params, the stages'
     statistics [P * V, ...] in layer order, means over the microbatches): the schedule run over
     `pipeline` on M = table.microbatches microbatches of the batch, the gradients those of the
@@ -295,10 +301,12 @@ def run(table: Table, fns: Fns, stacked, outer, tokens_BL, targets_BL, places, l
     `pipeline`; places is a pytree of [B, L] arrays (positions, segment ids). A stage holds its
     layers' weights whole over the batch axes but for the splits `kept` names (per stacked leaf,
     one tuple of mesh axes per dimension, sharding.Stored.kept: the experts' over `expert`, each
-    device its own experts); their gradients are summed over the other batch axes only."""
+    device its own experts); their gradients are summed over the other batch axes only. With a
+    loss mask (targets IGNORE where not trained) `trained` is the whole batch's trained targets
+    over its pieces (step.trained): each of the `pieces` here divides by its share of it."""
     stages, virtual, count = table.stages, table.virtual, table.microbatches
     the_plan, batch = plan(table), layout.batch_axes(AXIS)
-    scale = 1.0 / (count * math.prod(layout.mesh.shape[a] for a in batch))
+    scale = 1.0 / pieces(table, layout)
     kept = jax.tree.map(lambda p: ((),) * p.ndim, stacked) if kept is None else kept
 
     def regroup(p):  # [L, ...] -> [V, P, L/(PV), ...]: virtual stage j = c*P + s on device s
@@ -310,8 +318,9 @@ def run(table: Table, fns: Fns, stacked, outer, tokens_BL, targets_BL, places, l
     def summed_over(dims):  # the batch axes a leaf's gradient is summed over
         return tuple(a for a in batch if not any(a in e for e in dims))
 
-    def body(chunks, outer, tokens, targets, places):
-        device = _Device(fns, jax.tree.map(lambda p: p[:, 0], chunks), outer, tokens, targets, places)
+    def body(chunks, outer, tokens, targets, places, trained):
+        share = None if trained is None else trained / pieces(table, layout)
+        device = _Device(fns, jax.tree.map(lambda p: p[:, 0], chunks), outer, tokens, targets, places, share)
         loss, g_chunks, g_outer, stats = _run_table(the_plan, device, stages, table.split_backward)
         everywhere = (AXIS, *batch)
 
@@ -324,9 +333,10 @@ def run(table: Table, fns: Fns, stacked, outer, tokens_BL, targets_BL, places, l
 
     rows = P(None, batch or None)
     split = functools.partial(microbatch.split, count=count)
-    args = (jax.tree.map(regroup, stacked), outer, split(tokens_BL), split(targets_BL), jax.tree.map(split, places))
+    args = (jax.tree.map(regroup, stacked), outer, split(tokens_BL), split(targets_BL), jax.tree.map(split, places),
+            trained)
     chunk_specs = jax.tree.map(lambda _, dims: chunk_spec(dims), stacked, kept)
-    specs = (chunk_specs, P(), rows, rows, jax.tree.map(lambda _: rows, places))
+    specs = (chunk_specs, P(), rows, rows, jax.tree.map(lambda _: rows, places), None if trained is None else P())
     loss, g_chunks, g_outer, stats = jax.shard_map(
         body, mesh=layout.mesh_here(), in_specs=specs, out_specs=(P(), chunk_specs, P(), P(None, AXIS)),
         axis_names={AXIS, *batch}, check_vma=False)(*args)
@@ -336,25 +346,27 @@ def run(table: Table, fns: Fns, stacked, outer, tokens_BL, targets_BL, places, l
 
 
 def pipelined_loss(table: Table, fns: Fns, primal, finish, layout, kept=None):
-    """loss(stacked, outer, tokens, targets, places) -> (objective, metrics) as a
-    jax.custom_vjp: differentiated, the table runs forward and backward together (`run`, whose
+    """loss(stacked, outer, tokens, targets, places, count) -> (objective, metrics) as a
+    jax.custom_vjp (count: see run): differentiated, the table runs forward and backward together (`run`, whose
     stages keep the splits `kept` names) and finish(mean loss, statistics [P * V, ...]) gives
     what primal(...) gives evaluated alone. The metrics are not differentiated: their cotangent
     is ignored."""
     @jax.custom_vjp
-    def loss(stacked, outer, tokens, targets, places):
-        return primal(stacked, outer, tokens, targets, places)
+    def loss(stacked, outer, tokens, targets, places, count):
+        return primal(stacked, outer, tokens, targets, places, count)
 
-    def forward(stacked, outer, tokens, targets, places):
-        value, g_stacked, g_outer, stats = run(table, fns, stacked, outer, tokens, targets, places, layout, kept)
-        return finish(value, stats), (g_stacked, g_outer, tokens, targets, places)
+    def forward(stacked, outer, tokens, targets, places, count):
+        value, g_stacked, g_outer, stats = run(table, fns, stacked, outer, tokens, targets, places, layout, kept,
+                                               count)
+        return finish(value, stats), (g_stacked, g_outer, tokens, targets, places, count)
 
     def backward(residuals, cotangents):
-        g_stacked, g_outer, tokens, targets, places = residuals
+        g_stacked, g_outer, tokens, targets, places, count = residuals
         cotangent = cotangents[0]
         scale = functools.partial(jax.tree.map, lambda g: (g * cotangent).astype(g.dtype))
         zero = functools.partial(jax.tree.map, lambda x: np.zeros(x.shape, jax.dtypes.float0))
-        return scale(g_stacked), scale(g_outer), zero(tokens), zero(targets), zero(places)
+        return (scale(g_stacked), scale(g_outer), zero(tokens), zero(targets), zero(places),
+                jax.tree.map(jnp.zeros_like, count))
 
     loss.defvjp(forward, backward)
     return loss

@@ -69,7 +69,7 @@ class Session:
         """The train step compiled ahead of time (once per session), so step times never include it."""
         if self._compiled is None:
             lowered_hits, whole_hits = jax_cache.hits(), program_cache.hits()
-            self._compiled, self.compile_s = self.run.compile()
+            self._compiled, self.compile_s = self.run.compile(self.data.keys)
             how = "compiled the train step"
             if program_cache.hits() > whole_hits:
                 how = "loaded the whole train step from the cache"

@@ -1,0 +1,124 @@
+"""Chat data: records rendered by a chat template, the loss mask on the tokens data.train_on picks,
+carried through packing into every batch; and a chat run's loss is the masked mean."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from conftest import main_cli
+from jaxscale.config import defaults
+from jaxscale.data import chat, make_data
+from jaxscale.data.tokenize import ByteTokenizer
+from jaxscale.errors import ConfigError
+
+TALK = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"},
+        {"role": "assistant", "content": "6, of course"}]
+
+
+def _trained(record, train_on, template=chat.CHATML):
+    """(the text of the trained tokens, of all tokens) of one record as the source encodes it."""
+    path = _write([record])
+    tokens, mask = chat.encode(path, chat.Template(template, {}, "t"), ByteTokenizer(), train_on)
+    assert tokens.shape == mask.shape and tokens[-1] == ByteTokenizer.eos_id  # each record ends with EOS
+    text = bytes(tokens[:-1].astype(np.uint8)).decode()
+    return bytes(tokens[mask == 1].astype(np.uint8)).decode(), text, int(mask[-1])
+
+
+def _write(records, name="chat.jsonl"):
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp(prefix="jaxscale-chat-")) / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_assistant_turns_are_trained_with_their_end_of_turn_and_nothing_else():
+    trained, text, eos = _trained({"messages": TALK}, "assistant")
+    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
+                    "<|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\nand 3+3?<|im_end|>\n"
+                    "<|im_start|>assistant\n6, of course<|im_end|>\n")
+    assert trained == "4<|im_end|>\n" + "6, of course<|im_end|>\n" and eos == 0
+    assert _trained({"messages": TALK}, "completion")[0] == "6, of course<|im_end|>\n"
+    trained, text, eos = _trained({"messages": TALK}, "all")
+    assert trained == text + "\0" and eos == 1
+
+
+def test_a_prompt_and_completion_are_joined_and_the_completion_and_its_eos_trained():
+    trained, text, eos = _trained({"prompt": "Q: 2+2? A:", "completion": " 4"}, "assistant")
+    assert text == "Q: 2+2? A: 4" and trained == " 4\0" and eos == 1
+    # Message lists: rendered as one conversation, the completion's turns trained.
+    record = {"prompt": TALK[:4], "completion": TALK[4:]}
+    assert _trained(record, "assistant")[0] == "6, of course<|im_end|>\n"
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_field():
+    # Numbers each turn from the end: adding a turn changes the text before it.
+    template = "{% for m in messages %}[{{ messages|length - loop.index }}]{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ConfigError, match="data.chat_template.*not a prefix"):
+        _trained({"messages": TALK}, "assistant", template)
+
+
+def test_the_tokenizers_own_template_and_special_tokens_are_used(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "<s>"}, "eos_token": "</s>",
+        "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}"
+                         "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"}))
+    template = chat.load_template("", str(tmp_path / "tokenizer.json"))
+    assert template.render(TALK[1:3], add_generation_prompt=False) == "<s>user: 2+2?</s>assistant: 4</s>"
+    with pytest.raises(ConfigError, match="data.chat_template"):
+        chat.load_template("", str(tmp_path / "elsewhere" / "tokenizer.json"))
+
+
+def _config(path, **data):
+    config = defaults()
+    config.data.update(path=str(path), val_fraction=0.2, **data)
+    config.train.update(seq_len=32, global_batch_size=8)
+    config.model.vocab_size = 256
+    return config
+
+
+def test_batches_carry_the_mask_of_their_targets(tmp_path):
+    records = [{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i} " * 5}]}
+               for i in range(60)]
+    path = _write(records)
+    tokens, mask = chat.encode(path, chat.Template(chat.CHATML, {}, "t"), ByteTokenizer(), "assistant")
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices())
+    data = make_data(_config(path, chat_template="chatml"), NamedSharding(mesh, P("data", None)))
+    assert any("chat data:" in note and "trained" in note for note in data.notes)
+    batch = data.local_batch(0)
+    assert set(batch) == {"inputs", "targets", "mask"}
+    # Each row's window is found in the stream, and its mask is the stream's mask of its targets.
+    stream = tokens.astype(np.int32)
+    for inputs, targets, row_mask in zip(batch["inputs"], batch["targets"], batch["mask"]):
+        window = np.concatenate([inputs, targets[-1:]])
+        start = next(i for i in range(len(stream) - 32) if np.array_equal(stream[i:i + 33], window))
+        np.testing.assert_array_equal(row_mask, mask[start + 1:start + 33])
+    assert 0 < batch["mask"].sum() < batch["mask"].size
+
+
+def test_chat_records_beside_text_in_one_source_are_refused(tmp_path):
+    path = _write([{"messages": TALK}])
+    (path.parent / "plain.txt").write_text("text " * 100)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices())
+    with pytest.raises(ConfigError, match="data.path.*not chat records"):
+        make_data(_config(f"{path},{path.parent / 'plain.txt'}"), NamedSharding(mesh, P("data", None)))
+
+
+def test_a_chat_run_trains_on_the_answers_only(tmp_path):
+    """The CLI on chat records: each logged step's `tokens` counts only the trained targets."""
+    records = [{"messages": [{"role": "user", "content": f"echo {i % 10}"},
+                             {"role": "assistant", "content": f"{i % 10}{i % 10}{i % 10}"}]} for i in range(400)]
+    path = _write(records)
+    out = main_cli(["--config=configs/tiny.py", f"--config.data.path={path}", "--config.data.chat_template=chatml",
+                    "--config.train.steps=3", "--config.train.seq_len=64", "--config.train.global_batch_size=8",
+                    f"--workdir={tmp_path / 'run'}"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    tokens = [m["tokens"] for m in metrics if "tokens" in m]
+    assert tokens and all(0 < t < 8 * 64 for t in tokens)
