@@ -11,7 +11,8 @@ the HF dir has one) and a parameters-only checkpoint in OUT_DIR/checkpoints/0. T
 
 to-hf writes the parameters of CKPT (a workdir, its checkpoints/ directory or one step's
 directory; the newest committed step unless a step's directory is given) as an HF checkpoint
-that transformers' AutoModelForCausalLM loads, with the run's tokenizer.json if it used one.
+that transformers' AutoModelForCausalLM loads, with the run's tokenizer.json if it used one (and the
+tokenizer_config.json, chat_template.jinja and special_tokens_map.json beside it).
 Exit codes: 0 done, 2 bad input (one line on stderr), 1 anything else.
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 from jaxscale import cli
 from jaxscale.errors import ConfigError
 
+TOKENIZER_FILES = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 USAGE = ("usage: python -m jaxscale.convert from-hf HF_DIR OUT_DIR [--config.section.key=value ...]\n"
          "       python -m jaxscale.convert to-hf CKPT HF_DIR")
 
@@ -85,6 +87,9 @@ def to_hf(checkpoint: str, hf_dir) -> int:
     tokenizer = Path(config.data.tokenizer)
     if tokenizer.suffix == ".json" and tokenizer.exists():
         shutil.copy(tokenizer, Path(hf_dir) / "tokenizer.json")
+        for name in TOKENIZER_FILES:  # its chat template and special tokens, where they are beside it
+            if (tokenizer.parent / name).is_file():
+                shutil.copy(tokenizer.parent / name, Path(hf_dir) / name)
     return step
 
 

@@ -172,16 +172,10 @@ def train_step(state: TrainState, batch: Batch, spec: StepSpec):
     new = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
                      rng=jax.random.fold_in(state.rng, state.step), guard=guard_state)
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": spec.schedule(state.step),
-               "tokens": _trained_tokens(batch), "spike": spike,
-               "nonfinite_skips": guard_state["nonfinite"], "spike_skips": guard_state["spikes"], **stats}
+               "tokens": jnp.asarray(batch["targets"].size, jnp.int32), "spike": spike,
+               "nonfinite_skips": guard_state["nonfinite"], "spike_skips": guard_state["spikes"], **stats,
+               **({"trained_tokens": jnp.sum(batch["mask"] > 0, dtype=jnp.int32)} if "mask" in batch else {})}
     return new, metrics
-
-
-def _trained_tokens(batch: Batch) -> jax.Array:
-    """The targets the step trained on: all of them, or those the loss mask keeps."""
-    if "mask" not in batch:
-        return jnp.asarray(batch["targets"].size, jnp.int32)
-    return jnp.sum(batch["mask"] > 0, dtype=jnp.int32)
 
 
 def jit_train_step(spec: StepSpec):

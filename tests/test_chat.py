@@ -64,6 +64,14 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_field():
         _trained({"messages": TALK}, "assistant", template)
 
 
+def test_transformers_template_tags_render():
+    """{% generation %} (transformers' assistant marker) renders its body; {% break %} works."""
+    template = chat.Template("{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}|{% else %}"
+                             "{% generation %}{{ m['content'] }}{% endgeneration %}{% break %}{% endif %}"
+                             "{% endfor %}", {}, "t")
+    assert template.render(TALK[1:], add_generation_prompt=False) == "2+2?|4"
+
+
 def test_the_tokenizers_own_template_and_special_tokens_are_used(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": {"content": "<s>"}, "eos_token": "</s>",
@@ -111,7 +119,7 @@ def test_chat_records_beside_text_in_one_source_are_refused(tmp_path):
 
 
 def test_a_chat_run_trains_on_the_answers_only(tmp_path):
-    """The CLI on chat records: each logged step's `tokens` counts only the trained targets."""
+    """The CLI on chat records: each logged step says how many of its targets it trained."""
     records = [{"messages": [{"role": "user", "content": f"echo {i % 10}"},
                              {"role": "assistant", "content": f"{i % 10}{i % 10}{i % 10}"}]} for i in range(400)]
     path = _write(records)
@@ -120,5 +128,5 @@ def test_a_chat_run_trains_on_the_answers_only(tmp_path):
                     f"--workdir={tmp_path / 'run'}"])
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    tokens = [m["tokens"] for m in metrics if "tokens" in m]
-    assert tokens and all(0 < t < 8 * 64 for t in tokens)
+    trained = [(m["trained_tokens"], m["trained_tokens_per_sec"]) for m in metrics if "loss" in m]
+    assert trained and all(0 < t < 8 * 64 and rate > 0 for t, rate in trained)

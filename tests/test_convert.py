@@ -1,5 +1,8 @@
-"""Hugging Face checkpoints in and out through the CLI: an imported model fine-tunes and resumes
-like any other, and its export loads in transformers with matching logits."""
+"""Hugging Face checkpoints in and out through the CLI: an imported model fine-tunes (on chat
+records, with its tokenizer's own chat template) and resumes like any other, and its export loads
+in transformers with matching logits, its tokenizer and template beside it."""
+
+import json
 
 import numpy as np
 import pytest
@@ -17,11 +20,29 @@ transformers = LazyModule("transformers")
 TOKENS = np.random.default_rng(0).integers(0, 256, (1, 12))
 
 
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}")
+CHATS = [{"messages": [{"role": "user", "content": f"what is {i} + {i}?"},
+                       {"role": "assistant", "content": f"{i} + {i} is {2 * i}."}]} for i in range(300)]
+
+
 def _hf_llama(path):
+    """A tiny random Llama as transformers saves it, with a byte-level BPE tokenizer.json (300
+    tokens, EOS </s>) and a tokenizer_config.json holding its chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
     transformers.LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([json.dumps(c) for c in CHATS], trainer)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "chat_template": TEMPLATE}))
     return path
 
 
@@ -32,6 +53,9 @@ def test_import_fine_tune_resume_and_export(tmp_path):
     assert "--config.checkpoint.init_from=" in done.stdout
     config = config_lib.load(str(imported / "config.json"))
     assert (config.model.d_model, config.model.num_kv_heads, config.model.tie_embeddings) == (64, 2, False)
+    assert config.data.tokenizer.endswith("tokenizer.json")  # the checkpoint's own: its template beside it
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CHATS))
+    config.data.path = str(tmp_path / "chats.jsonl")
     config.checkpoint.init_from = str(imported)
     config.train.update(steps=6, global_batch_size=8, seq_len=32, log_every=1, eval_every=0)
     config.metrics.progress = False
@@ -39,10 +63,12 @@ def test_import_fine_tune_resume_and_export(tmp_path):
     first = train(config, tmp_path / "run", show_progress=False, until=3)
     rest = train(config, tmp_path / "run", show_progress=False)  # resumes its own checkpoint, not the import
     assert [r["step"] for r in first + rest] == [1, 2, 3, 4, 5, 6]
-    assert first[0]["loss"] == pytest.approx(np.log(256), rel=0.05)  # the random HF weights: near uniform
+    assert first[0]["loss"] == pytest.approx(np.log(300), rel=0.05)  # the random HF weights: near uniform
+    assert all(0 < r["trained_tokens"] < 8 * 32 for r in first + rest)  # the answers' tokens only
 
     exported = tmp_path / "exported"
     assert to_hf(str(tmp_path / "run"), exported) == 6
+    assert json.loads((exported / "tokenizer_config.json").read_text())["chat_template"] == TEMPLATE
     hf = transformers.AutoModelForCausalLM.from_pretrained(exported).eval()
     with torch.no_grad():
         theirs = hf(torch.tensor(TOKENS)).logits.numpy()

@@ -89,9 +89,9 @@ def test_the_masked_loss_on_every_layout_equals_one_device(one_device, name):
     for a, b in zip(got[0], want[0]):
         for key in ("loss", "grad_norm"):
             np.testing.assert_allclose(a[key], b[key], rtol=1e-5)
-        assert a["tokens"] == b["tokens"] < ROWS * LENGTH  # the targets trained, counted once
+        assert a["trained_tokens"] == b["trained_tokens"] < a["tokens"] == ROWS * LENGTH  # counted once
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5), got[1], want[1])
 
 
-def test_the_tokens_metric_counts_the_trained_targets(one_device):
-    assert [int(m["tokens"]) for m in one_device[0]] == [int(_batch(i)["mask"].sum()) for i in range(2)]
+def test_the_trained_tokens_metric_counts_the_targets_the_mask_keeps(one_device):
+    assert [int(m["trained_tokens"]) for m in one_device[0]] == [int(_batch(i)["mask"].sum()) for i in range(2)]

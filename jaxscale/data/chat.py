@@ -46,7 +46,8 @@ class Template:
         except ImportError:
             raise ConfigError(FIELD, name, "chat templates need Jinja2: pip install jinja2") from None
         self.name, self.special, self._error = name, special, TemplateError
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols", _generation_tag()])
         env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
         env.globals.update(raise_exception=_raise, strftime_now=lambda f: datetime.datetime.now().strftime(f))
         try:
@@ -60,6 +61,21 @@ class Template:
                                          **self.special)
         except self._error as error:
             raise ConfigError(FIELD, self.name, f"failed on a record ({error})") from None
+
+
+def _generation_tag():
+    """transformers' {% generation %} ... {% endgeneration %} (its marker of the assistant's
+    tokens), rendered as its body: the spans here come from rendering prefixes instead."""
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    return Generation
 
 
 def _raise(message: str):

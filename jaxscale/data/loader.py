@@ -149,7 +149,7 @@ def _mask_notes(loaded: list[sources.Source], s: DataSettings) -> tuple[str, ...
         return ()
     trained, total = sum(int(m.sum()) for m in masks), sum(len(m) for m in masks)
     return (f"chat data: {trained:,} of {total:,} tokens trained (data.train_on={s.train_on}); the loss is the mean "
-            "over the trained tokens of each global batch, and `tokens` counts only them",)
+            "over the trained tokens of each global batch, logged as trained_tokens",)
 
 
 def _mixture_notes(loaded: list[sources.Source], s: DataSettings) -> tuple[str, ...]:

@@ -214,7 +214,17 @@ def _record(session: Session, step: int, m: dict, timing: dict) -> dict:
             "mfu": mfu.mfu(tokens_per_sec, run.flops_per_token, run.layout.mesh.size, run.peak_tflops),
             "nonfinite_skips": int(m["nonfinite_skips"]), "spike_skips": int(m["spike_skips"]),
             **{name: np.asarray(m[name]).tolist() for name in run.model.stat_shapes if name in m},
+            **_trained(m, timing),
             **session.data.stats(session.live.data_step)}
+
+
+def _trained(m: dict, timing: dict) -> dict:
+    """With a loss mask, the step's trained targets and their rate (tokens and MFU count every
+    token the step computed on: the FLOPs it did)."""
+    if "trained_tokens" not in m:
+        return {}
+    trained = int(m["trained_tokens"])
+    return {"trained_tokens": trained, "trained_tokens_per_sec": trained / timing["step_time_s"]}
 
 
 def _roll_back(session: Session, step: int) -> bool:
