@@ -110,6 +110,19 @@ def test_batches_carry_the_mask_of_their_targets(tmp_path):
     assert 0 < batch["mask"].sum() < batch["mask"].size
 
 
+def test_a_mixture_of_chat_and_text_trains_every_text_token(tmp_path):
+    chats = _write([{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i}"}]}
+                    for i in range(100)])
+    (tmp_path / "plain.txt").write_text("plain text " * 300)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices())
+    config = _config("", chat_template="chatml", mixture=f"chat={chats}:0.5,text={tmp_path / 'plain.txt'}:0.5")
+    data = make_data(config, NamedSharding(mesh, P("data", None)))
+    rows = [data.splits[1].train[i] for i in range(3)] + [data.splits[0].train[i] for i in range(3)]
+    assert all(set(row) == {"inputs", "targets", "mask"} for row in rows)
+    assert all(row["mask"].all() for row in rows[:3]) and not all(row["mask"].all() for row in rows[3:])
+    assert set(data.local_batch(0)) == {"inputs", "targets", "mask"}
+
+
 def test_chat_records_beside_text_in_one_source_are_refused(tmp_path):
     path = _write([{"messages": TALK}])
     (path.parent / "plain.txt").write_text("text " * 100)
