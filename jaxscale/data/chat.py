@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +29,6 @@ from jaxscale.data.tokenize import Tokenizer
 from jaxscale.errors import ConfigError
 
 FIELD = "data.chat_template"
-KINDS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow")  # the formats that hold records
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 Spans = list[tuple[str, bool]]  # (text, trained) in order
@@ -125,50 +123,12 @@ def load_template(spec: str, tokenizer: str) -> Template:
 
 # --- records ---------------------------------------------------------------------------------
 
-def records(path: Path) -> Iterator[tuple[dict, str]]:
-    """(record, where it is) of a JSON-lines (+ .gz/.zst), Parquet or Arrow file, in order."""
-    kind = formats.kind_of(path)
-    if kind in ("parquet", "arrow"):
-        yield from _table_records(path, kind)
-        return
-    with open(path, "rb") as raw:
-        lines = raw if kind == "jsonl" else formats._decompressed(raw, kind, str(path))
-        for number, line in enumerate(lines, 1):
-            if line.strip():
-                yield _record(line, path, number), f"line {number} of {path}"
-
-
-def _record(line: bytes, path: Path, number: int) -> dict:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise ConfigError(formats.PATH, str(path), f"line {number} is not JSON ({error}); give one object per line") \
-            from None
-    if not isinstance(record, dict):
-        raise ConfigError(formats.PATH, str(path), f"line {number} is not a JSON object; give one per line")
-    return record
-
-
-def _table_records(path: Path, kind: str) -> Iterator[tuple[dict, str]]:
-    if kind == "parquet":
-        batches = formats._parquet_file(path).iter_batches(batch_size=formats.PARQUET_ROWS)
-    else:
-        import pyarrow as pa
-
-        batches = pa.ipc.open_stream(pa.OSFile(str(path)))
-    row = 0
-    for batch in batches:
-        for record in batch.to_pylist():
-            row += 1
-            yield record, f"row {row} of {path}"
-
-
 def is_chat(path: Path, text_field: str) -> bool:
     """Whether `path` holds chat records: a record format whose first record has no text field
     but messages, or a prompt and a completion."""
-    if formats.kind_of(path) not in KINDS:
+    if formats.kind_of(path) not in formats.RECORD_KINDS:
         return False
-    first = next(records(path), None)
+    first = next(formats.records(path), None)
     return first is not None and text_field not in first[0] and ("messages" in first[0] or
                                                                  {"prompt", "completion"} <= set(first[0]))
 
@@ -212,11 +172,10 @@ def spans(record: dict, template: Template | None, train_on: str, where: str) ->
         raise ConfigError(formats.PATH, where, f"has keys {sorted(record)}; give messages, or prompt and completion")
     if template is None:
         raise ConfigError(FIELD, "", "conversations need a chat template; set data.chat_template")
+    if train_on == "all":
+        return [(template.render(messages, add_generation_prompt=False), True)], True
     answers = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= len(prompt)]
-    if train_on == "completion":
-        answers = answers[-1:]
-    cut = _turns(template, messages, answers, where)
-    return ([(text, True) for text, _ in cut] if train_on == "all" else cut), train_on == "all"
+    return _turns(template, messages, answers[-1:] if train_on == "completion" else answers, where), False
 
 
 def encode(path: Path, template: Template | None, tokenizer: Tokenizer,
@@ -224,7 +183,7 @@ def encode(path: Path, template: Template | None, tokenizer: Tokenizer,
     """(tokens, mask) of every record of `path`, each followed by the tokenizer's EOS: int arrays
     of one length, mask 1 where a token is trained."""
     tokens, mask = [], []
-    for record, where in records(path):
+    for record, where in formats.records(path):
         cut, eos_trained = spans(record, template, train_on, where)
         for text, trained in cut:
             ids = tokenizer.encode(text)

@@ -145,8 +145,8 @@ def whole_file(path: Path) -> Unit:
     return units(path, sys.maxsize)[0]
 
 
-def _record_text(line: bytes, field: str, path: str, where: str) -> str | None:
-    """The text field of one JSON-lines record (None for a blank line)."""
+def _json_record(line: bytes, path: str, where: str) -> dict | None:
+    """One JSON-lines record (None for a blank line)."""
     if not line.strip():
         return None
     try:
@@ -155,6 +155,14 @@ def _record_text(line: bytes, field: str, path: str, where: str) -> str | None:
         raise ConfigError(PATH, path, f"{where} is not JSON ({error}); give one object per line") from None
     if not isinstance(record, dict):
         raise ConfigError(PATH, path, f"{where} is a JSON {type(record).__name__}; give one object per line")
+    return record
+
+
+def _record_text(line: bytes, field: str, path: str, where: str) -> str | None:
+    """The text field of one JSON-lines record (None for a blank line)."""
+    record = _json_record(line, path, where)
+    if record is None:
+        return None
     if field not in record:
         raise ConfigError(TEXT_FIELD, field, f"{where} of {path} has keys {sorted(record)}; name the text key")
     return _text_value(record[field], f"{where} of {path}", field)
@@ -222,21 +230,57 @@ def _parquet(unit: Unit, field: str) -> Iterator[Piece]:
         done += parquet.metadata.row_group(group).total_byte_size
 
 
+def _arrow_reader(source, path: str):
+    import pyarrow as pa
+
+    try:
+        return pa.ipc.open_stream(source)
+    except pa.ArrowInvalid as error:
+        raise ConfigError(PATH, path, f"not an Arrow stream ({error}); save the dataset with "
+                          "Dataset.save_to_disk") from None
+
+
 def _arrow(unit: Unit, field: str) -> Iterator[Piece]:
     import pyarrow as pa
 
     with pa.OSFile(unit.path) as source:  # read, not memory-mapped: resident memory stays one batch
-        try:
-            reader = pa.ipc.open_stream(source)
-        except pa.ArrowInvalid as error:
-            raise ConfigError(PATH, unit.path, f"not an Arrow stream ({error}); save the dataset with "
-                              "Dataset.save_to_disk") from None
+        reader = _arrow_reader(source, unit.path)
         if field not in reader.schema.names:
             raise ConfigError(TEXT_FIELD, field, f"{unit.path} has columns {reader.schema.names}; "
                               "name the text column")
         for batch in reader:
             for value in batch.column(field).to_pylist():
                 yield _text_value(value, f"a row of {unit.path}", field), True, source.tell()
+
+
+RECORD_KINDS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow")  # the formats that hold records
+
+
+def records(path: Path) -> Iterator[tuple[dict, str]]:
+    """(record, where it is) of a file of RECORD_KINDS, in order: each JSON line's object, or
+    each table row as a dict (all its columns)."""
+    kind = kind_of(path)
+    if kind == "parquet":
+        yield from _rows(_parquet_file(path).iter_batches(batch_size=PARQUET_ROWS), path)
+    elif kind == "arrow":
+        import pyarrow as pa
+
+        with pa.OSFile(str(path)) as source:
+            yield from _rows(_arrow_reader(source, str(path)), path)
+    else:
+        with open(path, "rb") as raw:
+            lines = raw if kind == "jsonl" else _decompressed(raw, kind, str(path))
+            for number, line in enumerate(lines, 1):
+                if (record := _json_record(line, str(path), f"line {number}")) is not None:
+                    yield record, f"line {number} of {path}"
+
+
+def _rows(batches, path: Path) -> Iterator[tuple[dict, str]]:
+    row = 0
+    for batch in batches:
+        for record in batch.to_pylist():
+            row += 1
+            yield record, f"row {row} of {path}"
 
 
 def _looks_binary(path: Path) -> bool:

@@ -141,7 +141,7 @@ def _chat_source(name: str, paths: list[Path], chats: list[Path], settings: Data
 def _needs_template(paths: list[Path], settings: DataSettings) -> bool:
     """A template is loaded when one is named or the first record is a conversation (prompt and
     completion strings are joined without one)."""
-    first = next(chat.records(paths[0]))[0]
+    first = next(formats.records(paths[0]))[0]
     return bool(settings.chat_template) or not (isinstance(first.get("prompt"), str) and "messages" not in first)
 
 
