@@ -180,6 +180,34 @@ def run_cli(args, devices: int = 8, cwd=ROOT, timeout: int = 300, module: str = 
                           capture_output=True, text=True, timeout=timeout)
 
 
+# Runs each command of a JSON list with MODULE's main(argv) in this one process, its stdout and
+# stderr captured, and prints their [exit code, stdout, stderr] as one JSON list.
+_MANY = """import contextlib, importlib, io, json, sys
+module, commands, results = importlib.import_module(sys.argv[1]), json.loads(sys.argv[2]), []
+for argv in commands:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = module.main(argv)
+    results.append([code, out.getvalue(), err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def run_clis(commands: list[list[str]], module: str, env: dict | None = None):
+    """`run_cli` for several commands of one module in one fresh process, one after another (one
+    interpreter's start, imports and backend for all of them): a CompletedProcess for each."""
+    import json
+    import subprocess
+
+    argv = json.dumps([_command(module, a)[3:] for a in commands])
+    done = subprocess.run([sys.executable, "-c", _MANY, module, argv], cwd=ROOT, env={**cli_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    return [subprocess.CompletedProcess(_command(module, a), code, out, done.stderr + err)
+            for a, (code, out, err) in zip(commands, results)]
+
+
 def main_cli(args, module: str = "jaxscale.train"):
     """`python -m MODULE ARGS` run in this process: its `main(argv)` with stdout and stderr
     captured, returned as a CompletedProcess. The same command as `run_cli` with 8 devices and

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, run_cli, run_clis
 from jaxscale import cli
 from jaxscale.analysis import mfu, topology
 from jaxscale.analysis.hardware import GPUS
@@ -39,35 +39,54 @@ def test_a_bad_gpu_name_names_the_flag(name, words):
 GPU_PLAN = ROOT / ".venv" / "gpu-plan"
 
 
-def _h100_plan(overrides, flags=(), topology="h100-8") -> dict:
+def _plan_args(overrides, flags=("--json",), topology="h100-8") -> list[str]:
+    return ["--config=configs/tiny.py", *(f"--config.{o}" for o in overrides), f"--topology={topology}", *flags]
+
+
+ZERO2 = ["mesh.data=8", "zero_stage=2", "model.dtype='float32'"]
+FSDP = ["mesh.data=1", "mesh.fsdp=8", "model.dtype='float32'"]
+DETERMINISTIC = ["mesh.data=8", "train.deterministic=True", "model.dtype='bfloat16'"]
+FP8 = ["mesh.data=1", "model.fp8=True", "model.dtype='bfloat16'"]
+
+
+@pytest.fixture(scope="module")
+def gpu_plans(tmp_path_factory):
+    """Each plan below from the GPU compiler, all in one process (one start of JAX and its CUDA
+    plugin: 10 s of CPU a process, measured), as `python -m jaxscale.plan` runs each command."""
     if not (GPU_PLAN / "jax_plugins" / "xla_cuda12").is_dir():
         pytest.skip(f"compiling for GPUs needs JAX's CUDA plugin in {GPU_PLAN} (make test installs it)")
-    args = ["--config=configs/tiny.py", *(f"--config.{o}" for o in overrides), f"--topology={topology}", "--json",
-            *flags]
-    result = run_cli(args, module="jaxscale.plan", env={"PYTHONPATH": str(GPU_PLAN)})
+    hlo = tmp_path_factory.mktemp("fp8") / "step.hlo"
+    commands = {"zero2": _plan_args(ZERO2), "fsdp": _plan_args(FSDP), "deterministic": _plan_args(DETERMINISTIC),
+                "cudnn": _plan_args(["train.deterministic=True", "model.dtype='bfloat16'",
+                                     "model.attention.impl=cudnn"], flags=()),
+                "fp8": _plan_args(FP8, ["--json", f"--hlo={hlo}"], "h100-1")}
+    results = run_clis(list(commands.values()), module="jaxscale.plan", env={"PYTHONPATH": str(GPU_PLAN)})
+    return dict(zip(commands, results)) | {"fp8_hlo": hlo}
+
+
+def _plan(gpu_plans, name) -> dict:
+    result = gpu_plans[name]
     assert result.returncode == 0, result.stderr[-2000:]
     return json.loads(result.stdout)
 
 
-def test_zero2_on_eight_h100s_reduce_scatters_its_gradients():
+def test_zero2_on_eight_h100s_reduce_scatters_its_gradients(gpu_plans):
     """The GPU compiler emits the reduce-scatter XLA:CPU cannot (measured: 0.875 W, the formula
     exactly), and the plan says whether it fits in an H100's memory."""
-    overrides = ["mesh.data=8", "zero_stage=2", "model.dtype='float32'"]
-    plan = _h100_plan(overrides)
+    plan = _plan(gpu_plans, "zero2")
     assert plan["platform"] == "gpu" and plan["topology"]["device_kind"] == "NVIDIA H100 80GB HBM3"
     assert plan["memory_limit_bytes"] == GPUS["h100"].memory_bytes and plan["fits"] is True
-    config = cli.load_config(str(ROOT / "configs" / "tiny.py"), overrides)
+    config = cli.load_config(str(ROOT / "configs" / "tiny.py"), ZERO2)
     spec = {("reduce-scatter", "data"): lambda s: 7 / 8 * s.w, ("all-gather", "data"): lambda s: 7 / 8 * s.w}
     assert_sends(plan, spec, Sizes.of(config, plan))
 
 
-def test_fsdp_on_eight_h100s_gathers_weights_and_reduce_scatters_gradients():
+def test_fsdp_on_eight_h100s_gathers_weights_and_reduce_scatters_gradients(gpu_plans):
     """FSDP as the CPU spec has it (tests/test_plan.py, fsdp8), from the GPU compiler: weights
     all-gathered (the head's chunks twice), gradients reduce-scattered, the embedding's rows
     exchanged by all-to-all (measured: 0.94 W, 0.875 W and 1.75 A)."""
-    overrides = ["mesh.data=1", "mesh.fsdp=8", "model.dtype='float32'"]
-    plan = _h100_plan(overrides)
-    config = cli.load_config(str(ROOT / "configs" / "tiny.py"), overrides)
+    plan = _plan(gpu_plans, "fsdp")
+    config = cli.load_config(str(ROOT / "configs" / "tiny.py"), FSDP)
     spec = {("all-gather", "fsdp"): lambda s: 7 / 8 * (s.w + s.t), ("reduce-scatter", "fsdp"): lambda s: 7 / 8 * s.w,
             ("all-to-all", "fsdp"): lambda s: 2 * 7 / 8 * s.a}
     assert_sends(plan, spec, Sizes.of(config, plan))
@@ -78,27 +97,24 @@ def test_without_the_cuda_plugin_the_error_says_what_to_install():
     assert result.returncode == 2 and "jaxscale[gpu-plan]" in result.stderr and len(result.stderr.splitlines()) == 1
 
 
-def test_the_gpu_compiler_takes_the_deterministic_step_and_cudnn_is_refused():
+def test_the_gpu_compiler_takes_the_deterministic_step_and_cudnn_is_refused(gpu_plans):
     """train.deterministic on a GPU: the step compiles with XLA's deterministic ops and the
     blockwise attention (a note says why not cuDNN's); asking for cuDNN's is a one-line error."""
-    plan = _h100_plan(["mesh.data=8", "train.deterministic=True", "model.dtype='bfloat16'"])
+    plan = _plan(gpu_plans, "deterministic")
     assert any("not deterministic" in note for note in plan["notes"]), plan["notes"]
-    args = ["--config=configs/tiny.py", "--config.train.deterministic=True", "--config.model.dtype='bfloat16'",
-            "--config.model.attention.impl=cudnn", "--topology=h100-8"]
-    result = run_cli(args, module="jaxscale.plan", env={"PYTHONPATH": str(GPU_PLAN)})
+    result = gpu_plans["cudnn"]
     # (the CUDA plugin prints its driver lines on stderr first; the error is one line, the last)
     last = result.stderr.strip().splitlines()[-1]
     assert result.returncode == 2 and last.startswith("jaxscale: error: model.attention.impl"), result.stderr[-500:]
 
 
-def test_fp8_projections_compile_to_fp8_matmuls_for_an_h100(tmp_path):
+def test_fp8_projections_compile_to_fp8_matmuls_for_an_h100(gpu_plans):
     """model.fp8 on one H100: each layer projection's three matmuls (forward, dx, dw) take fp8
     operands, e4m3 and e5m2, in the GPU compiler's step (tiny.py: 7 projections, 2 layers)."""
     import re
 
-    hlo = tmp_path / "step.hlo"
-    _h100_plan(["mesh.data=1", "model.fp8=True", "model.dtype='bfloat16'"], [f"--hlo={hlo}"], "h100-1")
-    text = hlo.read_text()
+    _plan(gpu_plans, "fp8")
+    text = gpu_plans["fp8_hlo"].read_text()
     signatures = re.findall(r"^%\S+ \(([^)]*)\) -> ", text, re.M) + re.findall(r" dot\(([^)]*)\)", text)
     fp8_gemms = [s for s in signatures if "f8e4m3fn[" in s and ("f8e4m3fn[" in s.split(",", 1)[1] or "f8e5m2[" in s)]
     assert len(fp8_gemms) >= 3 * 7, len(fp8_gemms)
