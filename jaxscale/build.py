@@ -106,7 +106,7 @@ class Run:
         """`params` in device memory (a copy when they are offloaded to the host)."""
         if not self.offload.params:
             return params
-        return jax.device_put(params, to_device_kind(self.shardings.params))
+        return jax.device_put(params, to_device_kind(self.shardings.weights))
 
 
 def build(config, devices=None, platform: str | None = None) -> Run:
@@ -124,7 +124,7 @@ def build(config, devices=None, platform: str | None = None) -> Run:
     abstract, shardings = state_lib.abstract(model, tx, layout, guard, offload)
     spec = StepSpec(model, tx, schedule, layout, shardings, config.train.grad_accum_steps, guard,
                     determinism.compiler_options(config, platform))
-    n = mfu.active_params(abstract.params, model.spec)
+    n = mfu.active_params(abstract.weights, model.spec)
     return Run(config=ml_collections.FrozenConfigDict(config), platform=platform, layout=layout, model=model,
                offload=offload, step_spec=spec, abstract_state=abstract, notes=tuple(notes + model_notes),
                flops_per_token=mfu.flops_per_token(model.spec, n, config.train.seq_len),

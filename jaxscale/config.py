@@ -47,6 +47,17 @@ def _latent_attention() -> dict:
     )
 
 
+def _adapters() -> dict:
+    """model.lora: low-rank adapters trained on a frozen base (models/lora.py, docs/finetuning.md)."""
+    return dict(
+        rank=0,                    # each adapter's rank r; 0 = no adapters: every parameter trains
+        alpha=16.0,                # the adapters' output scaled by alpha / r (PEFT's lora_alpha)
+        targets="q,k,v,o,gate,up,down",  # the projections given adapters: attention's q, k, v, o and the
+                                   # MLP's gate, up, down (GELU MLPs: in, out)
+        base_dtype="float32",      # the frozen base's storage dtype: bfloat16 halves it
+    )
+
+
 def _attention_kernels() -> dict:
     """model.attention: the attention kernel and context parallelism."""
     return dict(
@@ -127,6 +138,7 @@ def _add_model(c: ml_collections.ConfigDict) -> None:
         fp8=False,             # the layers' projections in fp8: e4m3 forward, e5m2 gradients, per-tensor scales
                                # of the step (models/fp8.py); NVIDIA compute capability 8.9+, emulated on CPU
         mla=_latent_attention(),
+        lora=_adapters(),
         attention=_attention_kernels(),
         moe=_experts(),
     )

@@ -1,7 +1,7 @@
 """CLI: Hugging Face checkpoints in and out.
 
     python -m jaxscale.convert from-hf HF_DIR OUT_DIR [--config.section.key=value ...]
-    python -m jaxscale.convert to-hf CKPT HF_DIR
+    python -m jaxscale.convert to-hf CKPT HF_DIR [--peft]
 
 from-hf reads a local Llama or GPT-2 checkpoint (config.json and safetensors) tensor by tensor
 and writes OUT_DIR/config.json (the defaults with the model's shape, and its tokenizer.json when
@@ -12,7 +12,10 @@ the HF dir has one) and a parameters-only checkpoint in OUT_DIR/checkpoints/0. T
 to-hf writes the parameters of CKPT (a workdir, its checkpoints/ directory or one step's
 directory; the newest committed step unless a step's directory is given) as an HF checkpoint
 that transformers' AutoModelForCausalLM loads, with the run's tokenizer.json if it used one (and the
-tokenizer_config.json, chat_template.jinja and special_tokens_map.json beside it).
+tokenizer_config.json, chat_template.jinja and special_tokens_map.json beside it). A LoRA run's
+checkpoint (model.lora.rank > 0) is written merged: each adapter folded into its weight. With
+--peft, only its adapters, in PEFT's format (adapter_config.json, adapter_model.safetensors),
+for `peft.PeftModel.from_pretrained` on the base model.
 Exit codes: 0 done, 2 bad input (one line on stderr), 1 anything else.
 """
 
@@ -27,7 +30,7 @@ from jaxscale.errors import ConfigError
 
 TOKENIZER_FILES = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 USAGE = ("usage: python -m jaxscale.convert from-hf HF_DIR OUT_DIR [--config.section.key=value ...]\n"
-         "       python -m jaxscale.convert to-hf CKPT HF_DIR")
+         "       python -m jaxscale.convert to-hf CKPT HF_DIR [--peft]")
 
 
 def config_for_hf(hf_dir, config=None, overrides=(), say=print):
@@ -73,17 +76,24 @@ def from_hf(hf_dir, out_dir, config) -> int:
     return sum(x.size for x in jax.tree.leaves(params))
 
 
-def to_hf(checkpoint: str, hf_dir) -> int:
-    """Write a checkpoint's parameters as an HF checkpoint; returns the step exported."""
+def to_hf(checkpoint: str, hf_dir, peft: bool = False) -> int:
+    """Write a checkpoint's parameters as an HF checkpoint (a LoRA run's merged, or with `peft`
+    its adapters alone in PEFT's format); returns the step exported."""
     import jax
 
     from jaxscale.checkpoint import load_params
+    from jaxscale.interop import peft as peft_lib
     from jaxscale.interop import save_hf
-    from jaxscale.models import model_from_config
+    from jaxscale.models import lora, model_from_config
 
     config, params, step = load_params(checkpoint, field="CKPT")
-    model, _ = model_from_config(config, jax.default_backend())
-    save_hf(params, model.spec, hf_dir)
+    spec = model_from_config(config, jax.default_backend())[0].spec
+    if peft:
+        if not spec.lora.on:
+            raise ConfigError("--peft", "True", f"{checkpoint} holds no adapters (model.lora.rank=0)")
+        peft_lib.save_peft(lora.split(params)[0], spec, hf_dir, _base_model(config))
+        return step
+    save_hf(lora.folded(params, spec.lora), peft_lib.without_adapters(spec), hf_dir)
     tokenizer = Path(config.data.tokenizer)
     if tokenizer.suffix == ".json" and tokenizer.exists():
         shutil.copy(tokenizer, Path(hf_dir) / "tokenizer.json")
@@ -93,6 +103,18 @@ def to_hf(checkpoint: str, hf_dir) -> int:
     return step
 
 
+def _base_model(config) -> str:
+    """The HF directory the run's base came from (the `hf_dir` that from-hf wrote beside
+    checkpoint.init_from's parameters), or ''."""
+    from jaxscale.checkpoint import Checkpointer, locate
+
+    if not config.checkpoint.init_from:
+        return ""
+    directory, step = locate(config.checkpoint.init_from, "checkpoint.init_from")
+    with Checkpointer(directory, config.checkpoint, read_only=True) as checkpointer:
+        return checkpointer.read_json(checkpointer.latest_step() if step is None else step)[1].get("hf_dir", "")
+
+
 def _command(argv: list[str]) -> None:
     if len(argv) < 3 or argv[0] not in ("from-hf", "to-hf"):
         raise ConfigError("command", " ".join(argv[:1]), USAGE.replace("\n", " | "))
@@ -100,10 +122,11 @@ def _command(argv: list[str]) -> None:
     if not Path(source).exists():
         raise ConfigError("HF_DIR" if command == "from-hf" else "CKPT", source, "no such directory")
     if command == "to-hf":
-        if rest:
-            raise ConfigError("flag", rest[0], "to-hf takes no flags: the checkpoint has its config")
-        step = to_hf(source, destination)
-        print(f"wrote step {step} of {source} to {destination} (Hugging Face format)")
+        if rest not in ([], ["--peft"]):
+            raise ConfigError("flag", rest[0], "to-hf takes only --peft: the checkpoint has its config")
+        step = to_hf(source, destination, peft=bool(rest))
+        what = "LoRA adapters (PEFT format)" if rest else "Hugging Face format"
+        print(f"wrote step {step} of {source} to {destination} ({what})")
         return
     unknown = [flag for flag in rest if not flag.startswith("--config.")]
     if unknown:

@@ -35,6 +35,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
                              # gathering 4096 numbers over fsdp costs a collective for nothing
     "experts": ("expert",),  # the expert dimension of expert weights (mixture of experts)
     "router": (),            # the router's output dimension (a score per expert): small, never split
+    "lora_rank": (),         # a LoRA adapter's rank (models.lora): small, never split
     # activations
     "batch": BATCH_AXES,
     "length": ("sequence",),
@@ -45,6 +46,9 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "act_mlp": ("tensor",),
     "act_vocab": ("tensor",),
 }
+
+# Metadata key holding a parameter's logical axis names (nnx.Param metadata; jaxscale.sharding maps them).
+AXES_KEY = "axes"
 
 # The choices of config settings.
 FAMILIES = ("llama", "gpt2", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "deepseek_v3")

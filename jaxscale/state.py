@@ -2,6 +2,10 @@
 
 The state is never built unsharded: each device creates only its own shards.
 
+With LoRA adapters (model.lora.rank > 0) `params` holds the adapters alone, the parameters the
+optimizer updates and the gradients are taken of, and `base` the frozen rest of the model, with
+no optimizer state and no gradients; `weights` is the whole tree the model runs on.
+
 ZeRO over `data` (the `fsdp` axis always shards everything it is given by the rules):
 stage 0 nothing more, 1 optimizer state, 2 + gradients, 3 + parameters.
 """
@@ -21,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jaxscale import guard as guard_lib
 from jaxscale import sharding as shd
 from jaxscale.guard import GuardSpec
-from jaxscale.models import LanguageModel
+from jaxscale.models import LanguageModel, lora
 from jaxscale.offload import OffloadSpec, to_host
 from jaxscale.runtime import program_cache
 
@@ -34,16 +38,49 @@ class TrainState:
     opt_state: Any         # optax state; each moment shaped and sharded like its parameter
     rng: jax.Array         # uint32[2] key for stochastic layers, advanced every step
     guard: dict            # loss window and skip counters of the training guards (jaxscale.guard)
+    base: dict = dataclasses.field(default_factory=dict)  # the frozen parameters under LoRA ({} without)
+
+    @property
+    def weights(self) -> dict:
+        """The model's whole parameter tree: the trained parameters with the frozen base."""
+        return lora.merge(self.params, self.base) if self.base else self.params
+
+
+def changing(state: TrainState) -> TrainState:
+    """What a checkpoint holds of `state`: all of it but the frozen base (LoRA), which the run's
+    base source (checkpoint.init_from, or the seed) gives back on resume."""
+    return dataclasses.replace(state, base={}) if state.base else state
+
+
+def base_target(abstract: TrainState) -> dict:
+    """The frozen base's ShapeDtypeStructs in float32, as a base checkpoint stores parameters."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding), abstract.base)
+
+
+def trained_and_frozen(model: LanguageModel, tree: dict) -> tuple[dict, dict]:
+    """(the part of a parameter-shaped tree that trains, the frozen part): with LoRA adapters
+    (the adapters, the base), else (the whole tree, {})."""
+    return lora.split(tree) if model.spec.lora.on else (tree, {})
+
+
+def seeded_params(model: LanguageModel, seed: int) -> dict:
+    """The parameters `create` draws from `seed` (train.seed)."""
+    return model.init(jax.random.split(jax.random.PRNGKey(seed))[0])
 
 
 def create(model: LanguageModel, tx: optax.GradientTransformation, seed: int, guard: GuardSpec = GuardSpec(),
            params: dict | None = None) -> TrainState:
     """The initial state; a pure function of the seed (independent of the mesh). Given `params`
-    (e.g. loaded for fine-tuning), they replace the seeded initialisation."""
-    params_key, rng = jax.random.split(jax.random.PRNGKey(seed))
-    params = model.init(params_key) if params is None else params
+    (e.g. loaded for fine-tuning), they replace the seeded initialisation: with LoRA adapters,
+    `params` is the base (the adapters start from the seed), stored in lora.base_dtype."""
+    rng, spec = jax.random.split(jax.random.PRNGKey(seed))[1], model.spec.lora
+    if params is None or spec.on:
+        seeded = seeded_params(model, seed)
+        params = seeded if params is None else lora.merge(lora.split(seeded)[0], params)
+    params, base = trained_and_frozen(model, params)
+    base = jax.tree.map(lambda x: x.astype(spec.base_dtype), base)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng,
-                      guard=guard_lib.init(guard))
+                      guard=guard_lib.init(guard), base=base)
 
 
 def param_specs(model: LanguageModel, layout: shd.Layout, over_data: bool) -> dict:
@@ -55,7 +92,7 @@ def param_specs(model: LanguageModel, layout: shd.Layout, over_data: bool) -> di
 
 def grad_shardings(model: LanguageModel, layout: shd.Layout) -> dict:
     """Where gradients live after the backward pass: split over `data` from ZeRO stage 2."""
-    return shd.named(layout.mesh, param_specs(model, layout, layout.zero_stage >= 2))
+    return trained_and_frozen(model, shd.named(layout.mesh, param_specs(model, layout, layout.zero_stage >= 2)))[0]
 
 
 def _shapes(model: LanguageModel, tx: optax.GradientTransformation, guard: GuardSpec) -> TrainState:
@@ -65,14 +102,14 @@ def _shapes(model: LanguageModel, tx: optax.GradientTransformation, guard: Guard
 def _shardings_of(shapes: TrainState, model: LanguageModel, tx: optax.GradientTransformation,
                   layout: shd.Layout, offload: OffloadSpec) -> TrainState:
     replicated = NamedSharding(layout.mesh, P())
-    params = shd.named(layout.mesh, param_specs(model, layout, layout.zero_stage >= 3))
-    moments = shd.named(layout.mesh, param_specs(model, layout, layout.zero_stage >= 1))
-    params = to_host(params) if offload.params else params
+    params, base = trained_and_frozen(model, shd.named(layout.mesh, param_specs(model, layout, layout.zero_stage >= 3)))
+    moments = trained_and_frozen(model, shd.named(layout.mesh, param_specs(model, layout, layout.zero_stage >= 1)))[0]
+    params, base = (to_host(params), to_host(base)) if offload.params else (params, base)
     moments = to_host(moments) if offload.optimizer_state else moments
     opt_state = optax.tree_map_params(tx, lambda _, s: s, shapes.opt_state, moments,
                                       transform_non_params=lambda _: replicated)
     return TrainState(step=replicated, params=params, opt_state=opt_state, rng=replicated,
-                      guard=jax.tree.map(lambda _: replicated, shapes.guard))
+                      guard=jax.tree.map(lambda _: replicated, shapes.guard), base=base)
 
 
 def shardings(model: LanguageModel, tx: optax.GradientTransformation, layout: shd.Layout,

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from jaxscale import guard as guard_lib
 from jaxscale import state as state_lib
 from jaxscale.guard import GuardSpec
-from jaxscale.models import LanguageModel, moe
+from jaxscale.models import LanguageModel, lora, moe
 from jaxscale.models.vocab import IGNORE
 from jaxscale.offload import has_host, on_device
 from jaxscale.parallel import microbatch
@@ -73,16 +73,19 @@ def trained(batch: Batch, pieces: int = 1) -> tuple[Batch, jax.Array | None]:
     return {**rest, "targets": jnp.where(keep, batch["targets"], IGNORE)}, count
 
 
-def loss_fn(params: dict, batch: Batch, spec: StepSpec, count=None) -> tuple[jax.Array, dict]:
+def loss_fn(params: dict, batch: Batch, spec: StepSpec, count=None, base=None) -> tuple[jax.Array, dict]:
     """(training objective, metrics) of model.loss: the float32 parameters cast to the compute
     dtype where the model uses them, the loss in float32, activations placed by its strategy's
-    layout; with `count` (see trained), the sum over the trained targets divided by it."""
-    return spec.model.loss(params, batch["inputs"], batch["targets"], batch.get("segments"), count)
+    layout; with `count` (see trained), the sum over the trained targets divided by it. With a
+    frozen `base` (LoRA), `params` are the adapters and the model runs on both."""
+    weights = lora.merge(params, base) if base else params
+    return spec.model.loss(weights, batch["inputs"], batch["targets"], batch.get("segments"), count)
 
 
-def _grad_fn(spec: StepSpec, count=None):
-    """(params, batch) -> (metrics of loss_fn, gradients of the training objective)."""
-    value_and_grad = jax.value_and_grad(functools.partial(loss_fn, spec=spec, count=count), has_aux=True)
+def _grad_fn(spec: StepSpec, count=None, base=None):
+    """(params, batch) -> (metrics of loss_fn, gradients of the training objective), none of
+    the frozen `base`'s: it is a constant of the differentiated function."""
+    value_and_grad = jax.value_and_grad(functools.partial(loss_fn, spec=spec, count=count, base=base), has_aux=True)
 
     def fn(params, batch):
         (_, metrics), grads = value_and_grad(params, batch)
@@ -91,10 +94,10 @@ def _grad_fn(spec: StepSpec, count=None):
     return fn
 
 
-def _accumulate(params, batch: Batch, spec: StepSpec, grad_shardings=None, count=None):
+def _accumulate(params, batch: Batch, spec: StepSpec, grad_shardings=None, count=None, base=None):
     """Mean (metrics, grads) over spec.accum_steps microbatches, summed in float32. With
     `grad_shardings`, each microbatch's gradients and the running sum are kept there."""
-    grad_fn, shapes = _grad_fn(spec, count), {"loss": (), **spec.model.stat_shapes}
+    grad_fn, shapes = _grad_fn(spec, count, base), {"loss": (), **spec.model.stat_shapes}
 
     def place(grads):
         return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
@@ -109,7 +112,7 @@ def _accumulate(params, batch: Batch, spec: StepSpec, grad_shardings=None, count
     return jax.tree.map(lambda x: x / spec.accum_steps, total)
 
 
-def _accumulate_per_replica(params, batch: Batch, spec: StepSpec, count=None):
+def _accumulate_per_replica(params, batch: Batch, spec: StepSpec, count=None, base=None):
     """Accumulate inside shard_map over `data`: each replica sums its microbatch gradients
     locally and they are reduced across `data` once per step, not once per microbatch.
     Inside, the replica's rows stay split over the other batch axes (fsdp, expert) as usual.
@@ -117,16 +120,16 @@ def _accumulate_per_replica(params, batch: Batch, spec: StepSpec, count=None):
     count / data, so that the mean over replicas stays the mean over every trained token."""
     replicas = spec.layout.mesh.shape["data"]
 
-    def local(params, batch, count):
+    def local(params, batch, count, base):
         share = None if count is None else count / replicas
-        return jax.lax.pmean(_accumulate(params, batch, spec, count=share), "data")
+        return jax.lax.pmean(_accumulate(params, batch, spec, count=share, base=base), "data")
 
     # check_vma=False: gradients of the replicated params stay per-device until the pmean.
-    return jax.shard_map(local, mesh=spec.layout.mesh, in_specs=(P(), spec.layout.rows_over("data"), P()),
-                         out_specs=P(), axis_names={"data"}, check_vma=False)(params, batch, count)
+    return jax.shard_map(local, mesh=spec.layout.mesh, in_specs=(P(), spec.layout.rows_over("data"), P(), P()),
+                         out_specs=P(), axis_names={"data"}, check_vma=False)(params, batch, count, base)
 
 
-def loss_and_grads(params, batch: Batch, spec: StepSpec):
+def loss_and_grads(params, batch: Batch, spec: StepSpec, base=None):
     """Mean metrics ('loss' and the router statistics, see loss_fn) and gradients over
     spec.accum_steps microbatches.
 
@@ -141,10 +144,10 @@ def loss_and_grads(params, batch: Batch, spec: StepSpec):
     "ZeRO-2 under accumulation", has both measured)."""
     batch, count = trained(batch, spec.accum_steps)
     if spec.accum_steps == 1:
-        return _grad_fn(spec, count)(params, batch)
+        return _grad_fn(spec, count, base)(params, batch)
     if spec.layout.zero_stage < 2:
-        return _accumulate_per_replica(params, batch, spec, count)
-    return _accumulate(params, batch, spec, spec.grad_shardings, count)
+        return _accumulate_per_replica(params, batch, spec, count, base)
+    return _accumulate(params, batch, spec, spec.grad_shardings, count, base)
 
 
 def _on_device(state: TrainState, spec: StepSpec) -> TrainState:
@@ -152,13 +155,14 @@ def _on_device(state: TrainState, spec: StepSpec) -> TrainState:
     if spec.placement is None:
         return state
     return dataclasses.replace(state, params=on_device(state.params, spec.placement.params),
-                               opt_state=on_device(state.opt_state, spec.placement.opt_state))
+                               opt_state=on_device(state.opt_state, spec.placement.opt_state),
+                               base=on_device(state.base, spec.placement.base))
 
 
 def train_step(state: TrainState, batch: Batch, spec: StepSpec):
     """One optimizer update, unless the guard rejects it. Returns the new state and scalar metrics."""
     state = _on_device(state, spec)
-    stats, grads = loss_and_grads(state.params, batch, spec)
+    stats, grads = loss_and_grads(state.params, batch, spec, state.base)
     loss = stats.pop("loss")  # what remains: an MoE model's router statistics
     load = stats.pop(moe.LOAD, None)  # balancing by bias: each MoE layer's load per expert
     grads = jax.lax.with_sharding_constraint(grads, spec.grad_shardings)  # ZeRO-2: split over data
@@ -170,7 +174,7 @@ def train_step(state: TrainState, batch: Batch, spec: StepSpec):
         params = moe.balance(params, load, spec.model.spec.moe.bias_rate)
     params, opt_state = guard_lib.select(accept, (params, opt_state), (state.params, state.opt_state))
     new = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                     rng=jax.random.fold_in(state.rng, state.step), guard=guard_state)
+                     rng=jax.random.fold_in(state.rng, state.step), guard=guard_state, base=state.base)
     metrics = {"loss": loss, "grad_norm": grad_norm, "lr": spec.schedule(state.step),
                "tokens": jnp.asarray(batch["targets"].size, jnp.int32), "spike": spike,
                "nonfinite_skips": guard_state["nonfinite"], "spike_skips": guard_state["spikes"], **stats,
@@ -189,8 +193,9 @@ def jit_train_step(spec: StepSpec):
 
 
 def jit_eval_step(spec: StepSpec):
-    """Mean validation loss (cross entropy) of one batch, over its trained targets: (params, batch) -> loss."""
-    params_shardings = spec.state_shardings.params
+    """Mean validation loss (cross entropy) of one batch, over its trained targets: (weights,
+    batch) -> loss, weights the model's whole parameter tree (TrainState.weights)."""
+    params_shardings = spec.state_shardings.weights
 
     def fn(params, batch):
         batch, count = trained(batch)

@@ -135,7 +135,7 @@ class Trainer:
     def sharding_table(self) -> str:
         """Shape, PartitionSpec and MiB per device of every parameter and optimizer array."""
         state = self.state
-        return "\n\n".join([inspection.sharding_table(state.params, "params/"),
+        return "\n\n".join([inspection.sharding_table(state.weights, "params/"),
                             inspection.sharding_table(state.opt_state, "opt_state/")])
 
     def show_sharding(self, array) -> None:
@@ -167,7 +167,7 @@ class Trainer:
         return tokenizer.decode(new)
 
     def _device_params(self) -> dict:
-        return self._session.run.device_params(self._session.live.state.params)
+        return self._session.run.device_params(self._session.live.state.weights)
 
     # -- lifetime ------------------------------------------------------------------------------
 

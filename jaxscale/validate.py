@@ -35,6 +35,7 @@ def validate(config, device_count: int, granules: int = 1) -> None:
 def _check_settings(config) -> None:
     """The checks that need only the config."""
     model_checks.check_model(config)
+    model_checks.check_lora(config)
     _check_train(config)
     for part in (optim, guard, distributed, health, profiler, mfu):
         part.check(config)

@@ -112,7 +112,7 @@ def build_for(spec, *, optim=None, accum: int = 1, rows: int = 32, seq_len: int 
 
     config = defaults()
     fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
-    nested = ("moe", "rope_scaling", "mla")
+    nested = ("moe", "rope_scaling", "mla", "lora")
     config.model.update({k: v for k, v in fields.items() if k in config.model and k not in nested})
     for name in nested:
         config.model[name].update(dataclasses.asdict(fields[name]))

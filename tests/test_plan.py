@@ -284,9 +284,9 @@ def test_the_plans_json_has_the_keys_it_always_had(plans):
     assert list(flat["pipeline"]) == ["stages", "schedule", "microbatches", "virtual_stages", "bubble_fraction"]
     assert list(pipelined["pipeline"]) == ["stages", "schedule", "microbatches", "virtual_stages", "ticks",
                                            "bubble_fraction", "in_flight", "drawing"]
-    assert list(flat["per_device_bytes"]) == ["params", "opt_state", "other_args", "temp", "outputs", "total",
-                                              "grads"]
-    assert flat["per_device_bytes"]["total"] == sum(list(flat["per_device_bytes"].values())[:5])
+    rows = flat["per_device_bytes"]  # `frozen`: a LoRA run's base (tests/test_lora.py), 0 here
+    assert list(rows) == ["params", "opt_state", "other_args", "temp", "outputs", "total", "grads", "frozen"]
+    assert rows["total"] == sum(list(rows.values())[:5]) + rows["frozen"] and rows["frozen"] == 0
     assert list(flat["collectives_by_axis"]["all-reduce"]["data"]) == ["count", "bytes", "sent_bytes"]
     assert list(flat["expected"]) == ["dot_flops", "collectives_by_axis"] and isinstance(flat["notes"], list)
     assert "pipeline: gpipe, 2 stages" in table(plans["pipeline2_gpipe"])

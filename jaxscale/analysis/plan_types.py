@@ -59,7 +59,7 @@ class PipelineSummary(_Record):
 @dataclasses.dataclass(frozen=True)
 class MemoryRows(_Record):
     """Per-device bytes of a compiled step in rows that add up to its peak (`total`); `grads` is
-    part of `temp`, not another row."""
+    part of `temp`, not another row. Under LoRA `params` are the adapters and `frozen` the base."""
 
     params: int
     opt_state: int
@@ -68,6 +68,7 @@ class MemoryRows(_Record):
     outputs: int
     total: int
     grads: int
+    frozen: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

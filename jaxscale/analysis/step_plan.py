@@ -54,12 +54,12 @@ def compiled_bytes(run, compiled) -> MemoryRows:
     gradients at the shardings the step constrains them to (ZeRO-2 splits them over data)."""
     memory = compiled.memory_analysis()
     state = state_lib.with_shardings(run.abstract_state, compiled.input_shardings[0][0])
-    params, opt_state = shard_bytes(state.params), shard_bytes(state.opt_state)
+    params, opt_state, frozen = shard_bytes(state.params), shard_bytes(state.opt_state), shard_bytes(state.base)
     grads = state_lib.with_shardings(run.abstract_state.params, run.step_spec.grad_shardings)
-    other_args = memory.argument_size_in_bytes - params - opt_state
+    other_args = memory.argument_size_in_bytes - params - opt_state - frozen
     temp, outputs = memory.temp_size_in_bytes, memory.output_size_in_bytes - memory.alias_size_in_bytes
-    return MemoryRows(params, opt_state, other_args, temp, outputs, params + opt_state + other_args + temp + outputs,
-                      shard_bytes(grads))
+    total = params + opt_state + frozen + other_args + temp + outputs
+    return MemoryRows(params, opt_state, other_args, temp, outputs, total, shard_bytes(grads), frozen)
 
 
 def _table(run):
@@ -89,7 +89,7 @@ def describe(config, run, compiled, compile_s: float) -> Plan:
     return Plan(
         mesh=dict(mesh), zero_stage=run.layout.zero_stage, remat=config.model.remat,
         pipeline=_pipeline_summary(run, table), platform=run.platform, compute_dtype=str(run.step_spec.dtype),
-        num_params=sum(math.prod(x.shape) for x in jax.tree.leaves(state.params)), compile_s=round(compile_s, 2),
+        num_params=sum(math.prod(x.shape) for x in jax.tree.leaves(state.weights)), compile_s=round(compile_s, 2),
         per_device_bytes=compiled_bytes(run, compiled), argument_bytes=memory.argument_size_in_bytes,
         compiled_bytes=CompiledBytes(memory.argument_size_in_bytes, memory.output_size_in_bytes,
                                      memory.temp_size_in_bytes, memory.alias_size_in_bytes,

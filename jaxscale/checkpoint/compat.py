@@ -10,7 +10,7 @@ SHAPE_FIELDS = ("model.family", "model.num_layers", "model.d_model", "model.num_
                 "model.d_ff", "model.vocab_size", "model.tie_embeddings", "model.mla", "model.moe.first_dense",
                 "model.mtp_depth")
 LEARNED_POSITION_FIELDS = ("model.max_seq_len",)  # the learned position table's length
-STATE_FIELDS = ("guard.spike_window",)
+STATE_FIELDS = ("guard.spike_window", "model.lora.rank", "model.lora.targets")  # (LoRA: the adapters' shapes)
 # Model options that change the function but not the shapes: allowed, but said.
 NOTED_FIELDS = ("model.rope_theta", "model.rope_scaling", "model.norm_eps", "model.layer_pattern",
                 "model.sliding_window", "model.local_rope_theta", "model.query_scale", "model.attn_logit_softcap",

@@ -76,6 +76,32 @@ def _check_layer_pattern(m) -> None:
             "mixture-of-experts models take one attention kind for every layer (G or L)")
 
 
+def check_lora(config) -> None:
+    """model.lora: a rank >= 0, known targets that the model's projections have, and adapters
+    only where a projection is one dense weight (not latent attention's, not the experts')."""
+    from jaxscale.models.layers import MLPS
+    from jaxscale.models.lora import ATTENTION_TARGETS, LoraSpec
+
+    m, spec = config.model, LoraSpec(**config.model.lora.to_dict())
+    require(spec.rank >= 0, "model.lora.rank", spec.rank, "must be >= 0 (0 = no adapters: every parameter trains)")
+    if not spec.on:
+        return
+    require(spec.alpha > 0, "model.lora.alpha", spec.alpha, "must be > 0 (the adapters are scaled by alpha / rank)")
+    require_choice("model.lora.base_dtype", spec.base_dtype, ("float32", "bfloat16"))
+    kind = MLPS[preset(m.family).mlp]
+    known = ATTENTION_TARGETS + (*kind.inputs, kind.output)
+    for name in spec.target_names or ("",):
+        require(name in known, "model.lora.targets", spec.targets,
+                f"names projections from {', '.join(known)} (comma-separated); {name!r} is not one")
+    require(not m.mla.kv_lora_rank, "model.lora.rank", spec.rank, "latent attention (model.mla) takes no adapters "
+            "yet; set model.lora.rank=0")
+    mlp = [name for name in spec.target_names if name not in ATTENTION_TARGETS]
+    require(not (m.moe.num_experts and mlp), "model.lora.targets", spec.targets,
+            "a mixture of experts' MLPs take no adapters yet; target attention alone (q,k,v,o)")
+    require(not (m.moe.num_experts and m.moe.bias_rate), "model.moe.bias_rate", m.moe.bias_rate,
+            "balancing by bias moves the router biases, which LoRA freezes; set it to 0")
+
+
 def check_prediction(config, sizes) -> None:
     """Multi-token prediction (model.mtp_depth > 0) runs with neither a pipeline nor context
     parallelism."""

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxscale.models import fp8, rope
+from jaxscale.models import fp8, lora, rope
 from jaxscale.models.attention import (
     Placement,
     cached_attention,
@@ -24,6 +24,7 @@ from jaxscale.models.attention import (
     write_cache,
 )
 from jaxscale.models.matmul import project
+from jaxscale.names import AXES_KEY
 from jaxscale.parallel import context
 from jaxscale.sharding import constrain
 
@@ -32,8 +33,6 @@ from jaxscale.sharding import constrain
 RESIDUAL = ("batch", "length", "act_embed")
 INNER = ("batch", "act_length", "act_embed")
 
-# Metadata key holding a parameter's logical axis names (mapped to mesh axes by jaxscale.sharding).
-AXES_KEY = "axes"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,10 +142,12 @@ class Attention(nnx.Module):
             self.q_norm, self.k_norm = norm(cfg, E), norm(cfg, E)
         if cfg.arch.attention_bias == "all":
             self.bias_o = zeros((D,), ("norm",))
+        for name in lora.ATTENTION_TARGETS:
+            lora.attach(self, cfg.lora, name, getattr(self, lora.WEIGHT_NAMES[name]), 2 if name == "o" else 1, rngs)
 
-    def _project(self, x_BLD, w, bias_name, heads_axis):
-        y = self.matmul(x_BLD, w[...], 1)
-        y = y + getattr(self, bias_name)[...] if hasattr(self, bias_name) else y
+    def _project(self, x_BLD, name, heads_axis):
+        y = lora.adapt(self, name, x_BLD, self.matmul(x_BLD, getattr(self, f"w{name}")[...], 1))
+        y = y + getattr(self, f"bias_{name}")[...] if hasattr(self, f"bias_{name}") else y
         return constrain(y, self.strategy.layout, ("batch", "act_length", heads_axis, "head_dim"))
 
     def __call__(self, x_BLD, places: Placement, cache=None, kind: LayerKind | None = None):
@@ -156,9 +157,9 @@ class Attention(nnx.Module):
         queries attend to the updated cache, which is returned. `kind`: the layer's (None: the
         first of the model's layer pattern, its only one when the pattern is uniform)."""
         kind = self.default_kind if kind is None else kind
-        q_BLHE = self._project(x_BLD, self.wq, "bias_q", "act_heads")
-        k_BLKE = self._project(x_BLD, self.wk, "bias_k", "act_kv_heads")
-        v_BLKE = self._project(x_BLD, self.wv, "bias_v", "act_kv_heads")
+        q_BLHE = self._project(x_BLD, "q", "act_heads")
+        k_BLKE = self._project(x_BLD, "k", "act_kv_heads")
+        v_BLKE = self._project(x_BLD, "v", "act_kv_heads")
         if hasattr(self, "q_norm"):
             q_BLHE, k_BLKE = self.q_norm(q_BLHE), self.k_norm(k_BLKE)
         positions_BL = places.positions
@@ -194,7 +195,7 @@ def causal(q_BLHE, k_BLKE, v_BLKE, places: Placement, layer, window: int = 0, so
 def output(layer, out_BLHE):
     """The heads' output [B, L, H, E] projected back to d_model by the layer's wo [H, E, D]."""
     out_BLHE = constrain(out_BLHE, layer.strategy.layout, ("batch", "act_length", "act_heads", "head_dim"))
-    return layer.matmul(out_BLHE, layer.wo[...], 2)
+    return lora.adapt(layer, "o", out_BLHE, layer.matmul(out_BLHE, layer.wo[...], 2), 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,12 +209,13 @@ class MLPKind:
     activation: Callable
     from_activation: bool  # the hidden is an elementwise tail's output: see models.matmul
 
-    def run(self, x, w: dict, dot: Callable, bias: Callable, hidden: Callable = lambda h: h):
+    def run(self, x, w: dict, dot: Callable, bias: Callable, hidden: Callable = lambda h: h,
+            adapt: Callable = lambda name, x, y: y):
         """The MLP of x with weights w (by name: 'w_up', 'bias_up', ...): dot(x, weight, output)
-        projects (output: the output projection), bias(y, b) adds a bias, hidden(h) places the
-        hidden activations."""
+        projects (output: the output projection), adapt(name, x, y) adds a projection's adapters
+        (models.lora), bias(y, b) adds a bias, hidden(h) places the hidden activations."""
         def project(x, name, output):
-            y = dot(x, w[f"w_{name}"], output)
+            y = adapt(name, x, dot(x, w[f"w_{name}"], output))
             return bias(y, w[f"bias_{name}"]) if f"bias_{name}" in w else y
 
         h = hidden(self.activation(*(project(x, name, False) for name in self.inputs)))
@@ -265,6 +267,8 @@ class MLP(nnx.Module):
                          lambda _, output: (normal(rngs, (F, D), ("mlp", "embed"), out_std) if output else
                                             normal(rngs, (D, F), ("embed", "mlp"), cfg.init_std)),
                          lambda _, output: zeros((D,), ("norm",)) if output else zeros((F,), ("mlp",)))
+        for name in (*self.kind.inputs, self.kind.output):
+            lora.attach(self, cfg.lora, name, getattr(self, f"w_{name}"), 1, rngs)
 
     def __call__(self, x_BLD):
         w = {name: getattr(self, name)[...] for name in self.kind.names(self.biased)}
@@ -275,4 +279,5 @@ class MLP(nnx.Module):
         def hidden(h_BLF):
             return constrain(h_BLF, self.layout, ("batch", "act_length", "act_mlp"))
 
-        return self.kind.run(x_BLD, w, dot, lambda y, b: y + b, hidden)
+        return self.kind.run(x_BLD, w, dot, lambda y, b: y + b, hidden,
+                             lambda name, x, y: lora.adapt(self, name, x, y))

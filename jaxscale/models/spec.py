@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jaxscale.models.families import Architecture, check, head_size, period, preset
 from jaxscale.models.latent import LatentSpec
 from jaxscale.models.layers import LayerKind
+from jaxscale.models.lora import LoraSpec
 from jaxscale.models.moe import MoESpec
 from jaxscale.models.rope import RopeScaling
 from jaxscale.models.strategy import Strategy
@@ -53,6 +54,7 @@ class ModelSpec:
     attention_block: int = 512        # the blockwise kernel's tile edge (model.attention.block_size)
     moe: MoESpec = MoESpec()          # mixture of experts (moe.num_experts 0: every MLP dense); a dict is taken too
     mla: LatentSpec = LatentSpec()    # multi-head latent attention (mla.kv_lora_rank 0: GQA); a dict is taken too
+    lora: LoraSpec = LoraSpec()       # low-rank adapters on a frozen base (lora.rank 0: none); a dict is taken too
     strategy: Strategy = Strategy()   # how the forward splits over devices (default: one program)
     weights: fsdp.Weights = fsdp.Weights()  # compute and gradient-reduction dtypes of the weights
 
@@ -60,10 +62,10 @@ class ModelSpec:
     def from_config(cls, model_cfg, attention_impl: str = "xla", strategy: Strategy = Strategy(),
                     scan_layers: bool = True, cpu_matmul: bool = False,
                     weights: fsdp.Weights = fsdp.Weights()) -> ModelSpec:
-        names = {f.name for f in dataclasses.fields(cls)} - {"moe", "mla", "strategy", "scan_layers", "cpu_matmul",
-                                                             "weights"}
+        names = {f.name for f in dataclasses.fields(cls)} - {"moe", "mla", "lora", "strategy", "scan_layers",
+                                                             "cpu_matmul", "weights"}
         values = {k: v for k, v in model_cfg.items() if k in names}
-        for name, kind in (("rope_scaling", RopeScaling), ("moe", MoESpec), ("mla", LatentSpec)):
+        for name, kind in (("rope_scaling", RopeScaling), ("moe", MoESpec), ("mla", LatentSpec), ("lora", LoraSpec)):
             if name in model_cfg:
                 values[name] = kind(**model_cfg[name].to_dict())
         if "attention" in model_cfg:
@@ -78,6 +80,8 @@ class ModelSpec:
             object.__setattr__(self, "moe", MoESpec(**self.moe))
         if isinstance(self.mla, dict):  # as model_config_from_hf gives latent attention's fields
             object.__setattr__(self, "mla", LatentSpec(**self.mla))
+        if isinstance(self.lora, dict):
+            object.__setattr__(self, "lora", LoraSpec(**self.lora))
         if self.architecture is not None:
             check(self.architecture)
 

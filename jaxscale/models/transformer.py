@@ -422,7 +422,8 @@ class LanguageModel:
 
     def init(self, key) -> dict:
         """float32 parameters from a PRNG key; the values do not depend on the device count."""
-        return nnx.to_pure_dict(nnx.split(Transformer(self.spec, nnx.Rngs(params=key)))[1])
+        rngs = nnx.Rngs(params=key, lora=jax.random.fold_in(key, 1))  # adapters' own stream (models.lora)
+        return nnx.to_pure_dict(nnx.split(Transformer(self.spec, rngs))[1])
 
     def apply(self, params: dict, tokens_BL, positions_BL=None, segments_BL=None):
         """Logits [B, L, V] in float32; params may be in any float dtype (the compute dtype)."""

@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxscale import state as state_lib
 from jaxscale.analysis import mfu
 from jaxscale.runtime.session import Session
 
@@ -138,7 +139,7 @@ def checkpoint(session: Session, clock: Clock, step: int, final: bool) -> None:
         if persistent:
             session.save(step)
         else:
-            local.save(step, session.live.state, session.position())
+            local.save(step, state_lib.changing(session.live.state), session.position())
         clock.save += time.perf_counter() - began
 
 
@@ -202,7 +203,7 @@ def is_eval_step(step: int, train_cfg) -> bool:
 
 def mean_eval_loss(session: Session) -> float:
     """Mean loss over the validation batches."""
-    params, step = session.live.state.params, session.run.eval_step
+    params, step = session.live.state.weights, session.run.eval_step
     return float(np.mean([jax.device_get(step(params, b)) for b in session.val_batches()]))
 
 
@@ -232,11 +233,11 @@ def _roll_back(session: Session, step: int) -> bool:
     after the spike; False (the spike's update stays skipped) when there is none."""
     checkpointer, say, live = session.services.checkpointer, session.services.display.print, session.live
     checkpointer.wait()
-    restored = checkpointer.restore(live.state, step=None, before=step, warn=say)
+    restored = checkpointer.restore(state_lib.changing(live.state), step=None, before=step, warn=say)
     if restored is None:
         say(f"warning: loss spike at step {step}; no checkpoint before it to roll back to, its update was skipped")
         return False
-    live.state, live.rollbacks = restored.state, live.rollbacks + 1
+    live.state, live.rollbacks = dataclasses.replace(restored.state, base=live.state.base), live.rollbacks + 1
     checkpointer.discard_after(restored.step)  # the abandoned trajectory's saves
     if session.services.local is not None:
         session.services.local.discard(keep=lambda kept: kept <= restored.step)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import jax
 
+from jaxscale import state as state_lib
 from jaxscale.checkpoint import Checkpointer, LocalCheckpointer, Restored, compat, locate
 from jaxscale.errors import ConfigError, RunError
 from jaxscale.runtime.runstate import RunState
@@ -73,7 +74,7 @@ def apply(start: Start, run, say: Callable[[str], None], data: dict | None = Non
     if start.kind == "fresh":
         return RunState(run.init_state()), {}
     try:
-        restored = start.checkpointer.restore(run.abstract_state, _checker(run, start, say),
+        restored = start.checkpointer.restore(_target(run, start.kind), _checker(run, start, say),
                                               params_only=start.kind == "init", step=start.step, warn=say)
     finally:
         if start.checkpointer.read_only:
@@ -90,10 +91,34 @@ def apply(start: Start, run, say: Callable[[str], None], data: dict | None = Non
     return _resumed(restored, run, say, data, start)
 
 
+def _target(run, kind: str):
+    """What a checkpoint is read into: the state without its frozen base (state.changing); for
+    parameters only under LoRA, the base (the adapters start afresh)."""
+    abstract = run.abstract_state
+    if kind == "init" and abstract.base:
+        return dataclasses.replace(abstract, params=state_lib.base_target(abstract))
+    return state_lib.changing(abstract)
+
+
 def _from_local(local: LocalCheckpointer, start: Start, run, say) -> Restored | None:
     """The newest local checkpoint newer than the workdir's persistent ones, or None."""
     newest = start.checkpointer.latest_step() if start.kind == "resume" else None
-    return local.restore(run.abstract_state, newest, say)
+    return local.restore(_target(run, "resume"), newest, say)
+
+
+def _base(run, say) -> dict:
+    """The frozen base of a LoRA run resumed from its adapters: checkpoint.init_from's parameters,
+    or the seed's where the run started from no checkpoint."""
+    ckpt = run.config.checkpoint
+    if not ckpt.init_from:
+        return run.init_state().base
+    directory, step = locate(ckpt.init_from, "checkpoint.init_from")
+    with Checkpointer(directory, ckpt, read_only=True) as checkpointer:
+        restored = checkpointer.restore(_target(run, "init"), params_only=True, step=step, warn=say)
+    if restored is None:
+        raise RunError(f"checkpoint.init_from: the LoRA run's base is no longer readable in {directory}")
+    say(f"frozen base read from {directory}/{restored.step}")
+    return run.init_state(params=restored.state["params"]).base
 
 
 def _resumed(restored: Restored, run, say, data: dict | None, start: Start) -> tuple[RunState, dict]:
@@ -101,7 +126,10 @@ def _resumed(restored: Restored, run, say, data: dict | None, start: Start) -> t
     if data is not None and restored.position.get("data", data) != data:
         say(f"note: the checkpoint was written reading {restored.position['data']}; the data now is {data}: "
             "continuing at the same global sample of the new data")
-    return _position(restored, run.config.train.global_batch_size, say), ids
+    live = _position(restored, run.config.train.global_batch_size, say)
+    if run.abstract_state.base:
+        live.state = dataclasses.replace(live.state, base=_base(run, say))
+    return live, ids
 
 
 def _position(restored, batch: int, say) -> RunState:

@@ -18,6 +18,7 @@ import jax
 
 from jaxscale import config as config_lib
 from jaxscale import report as report_lib
+from jaxscale import state as state_lib
 from jaxscale.analysis import inspection
 from jaxscale.build import Run, build
 from jaxscale.checkpoint import CHECKPOINTS, Checkpointer, LocalCheckpointer
@@ -96,7 +97,8 @@ class Session:
         meta = {"tokens_seen": self.live.data_step * t.global_batch_size * t.seq_len,
                 "mesh": dict(run.layout.mesh.shape), "zero_stage": run.layout.zero_stage,
                 "devices": run.layout.mesh.size, "processes": jax.process_count(), "versions": VERSIONS}
-        self.services.checkpointer.save(step, self.live.state, self.position(), meta, run.config.to_dict())
+        self.services.checkpointer.save(step, state_lib.changing(self.live.state), self.position(), meta,
+                                        run.config.to_dict())
 
     def report(self, final: bool = False) -> None:
         """Refresh the run report (process 0) if tracking.report_every_minutes have passed since the
@@ -202,7 +204,7 @@ def _introduce(run: Run, data: Data, workdir: Path, display: ProgressDisplay, ca
 
 def summary(run: Run, data: Data, workdir: Path) -> str:
     """One line: model size, mesh, parallel strategy, tokens, FLOPs per token and the workdir."""
-    params = sum(x.size for x in jax.tree.leaves(run.abstract_state.params))
+    params = sum(x.size for x in jax.tree.leaves(run.abstract_state.weights))
     mesh = " ".join(f"{k}={v}" for k, v in run.layout.mesh.shape.items() if v > 1) or "1 device"
     mesh += f" zero_stage={run.layout.zero_stage}" if run.layout.zero_stage else ""
     strategy = run.model.spec.strategy.describe()
@@ -216,4 +218,4 @@ def _describe(run: Run, data: Data, live: RunState, workdir: Path) -> None:
     """WORKDIR/sharding.txt: the mesh and every parameter's placement, for the run report."""
     if jax.process_index() == 0:
         (workdir / report_lib.SHARDING).write_text(
-            f"{summary(run, data, workdir)}\n\n{inspection.sharding_table(live.state.params, 'params/')}\n")
+            f"{summary(run, data, workdir)}\n\n{inspection.sharding_table(live.state.weights, 'params/')}\n")

@@ -1,0 +1,146 @@
+"""LoRA: low-rank adapters beside frozen projections (Hu et al., 2021; PEFT's definition).
+
+A targeted projection y = x W (W [C..., O...], contracting x's last k axes) becomes
+y = x W + (alpha / rank) (x A) B, with A [C..., r] drawn as PEFT draws it (uniform within
+1/sqrt(fan_in)) and B [r, O...] zero, so training starts from the base model's function. A and
+B carry W's logical axes on their outer sides and `lora_rank` (never split) between, so each
+layout splits and gathers them as it does W. Only the adapters train: `split` takes them out of
+the parameter tree (the optimizer's and the gradients' tree), the rest is the frozen base, and
+`merge` puts the two back together for the forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxscale.models.matmul import project
+from jaxscale.names import AXES_KEY
+
+# Adapter parameters are named <PREFIX><target>_a and <PREFIX><target>_b beside their weight.
+PREFIX = "lora_"
+RANK_AXIS = "lora_rank"
+# The projections an adapter may target: attention's query, key, value and output, and the MLP's
+# (SwiGLU/GeGLU gate, up, down; GELU in, out).
+ATTENTION_TARGETS = ("q", "k", "v", "o")
+MLP_TARGETS = ("gate", "up", "down", "in", "out")
+TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSpec:
+    """config.model.lora: rank 0 trains every parameter (no adapters)."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    targets: str = "q,k,v,o,gate,up,down"  # comma-separated names from TARGETS
+    base_dtype: str = "float32"            # the frozen base's storage dtype (bfloat16 halves it)
+
+    @property
+    def on(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def target_names(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.targets.split(",") if t.strip())
+
+    def targets_(self, name: str) -> bool:
+        return self.on and name in self.target_names
+
+
+def attach(module: nnx.Module, spec: LoraSpec, name: str, weight: nnx.Param, k: int, rngs: nnx.Rngs) -> None:
+    """Give `module` the adapters of its weight `weight` (contracting its first k axes) when
+    `spec` targets `name`: <PREFIX><name>_a [C..., r] and <PREFIX><name>_b [r, O...]. A is drawn
+    from the `lora` stream of `rngs`, so the base's weights are the same with adapters or without."""
+    if not spec.targets_(name):
+        return
+    module.adapter_scale = spec.scale
+    axes, shape = weight.get_metadata()[AXES_KEY], weight.shape
+    bound = 1.0 / math.sqrt(math.prod(shape[:k]))  # kaiming_uniform(a=sqrt(5)), as PEFT draws A
+    a = jax.random.uniform(rngs.lora(), (*shape[:k], spec.rank), jnp.float32, -bound, bound)
+    setattr(module, f"{PREFIX}{name}_a", nnx.Param(a, **{AXES_KEY: (*axes[:k], RANK_AXIS)}))
+    b = jnp.zeros((spec.rank, *shape[k:]), jnp.float32)
+    setattr(module, f"{PREFIX}{name}_b", nnx.Param(b, **{AXES_KEY: (RANK_AXIS, *axes[k:])}))
+
+
+def adapt(module: nnx.Module, name: str, x, y, k: int = 1):
+    """y (= x W) plus the adapters' (alpha / rank) (x A) B when `module` has them for `name`."""
+    if not hasattr(module, f"{PREFIX}{name}_a"):
+        return y
+    a, b = getattr(module, f"{PREFIX}{name}_a")[...], getattr(module, f"{PREFIX}{name}_b")[...]
+    low = project(x, a.astype(x.dtype), k)
+    return y + (project(low, b.astype(x.dtype), 1) * jnp.asarray(module.adapter_scale, x.dtype)).astype(y.dtype)
+
+
+def is_adapter(path) -> bool:
+    """Whether the parameter at `path` (a tuple of keys) is an adapter."""
+    return str(path[-1]).startswith(PREFIX)
+
+
+def _partition(tree: dict, keep, path=()) -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            sub = _partition(value, keep, (*path, key))
+            if sub:
+                out[key] = sub
+        elif keep((*path, key)):
+            out[key] = value
+    return out
+
+
+def split(tree: dict) -> tuple[dict, dict]:
+    """(adapters, base) of a parameter-shaped tree: each nested like the tree, holding only its
+    own leaves."""
+    return _partition(tree, is_adapter), _partition(tree, lambda p: not is_adapter(p))
+
+
+def merge(adapters: dict, base: dict) -> dict:
+    """The parameter tree of `split`'s two halves."""
+    out = dict(base)
+    for key, value in adapters.items():
+        out[key] = merge(value, base.get(key, {})) if isinstance(value, dict) else value
+    return out
+
+
+def folded(params: dict, spec: LoraSpec) -> dict:
+    """The parameters with each adapter folded into its weight, W + (alpha / rank) A B, and the
+    adapters gone: the merged model, as a checkpoint without LoRA holds it."""
+    def fold(node: dict) -> dict:
+        out = {key: fold(value) if isinstance(value, dict) else value for key, value in node.items()
+               if not str(key).startswith(PREFIX)}
+        for key in node:
+            if str(key).startswith(PREFIX) and str(key).endswith("_a"):
+                name = str(key)[len(PREFIX):-2]
+                weight = _weight_of(out, name)
+                out[weight] = out[weight] + spec.scale * _product(node[key], node[f"{PREFIX}{name}_b"],
+                                                                    out[weight].ndim)
+        return out
+
+    return fold(params)
+
+
+WEIGHT_NAMES = {"q": "wq", "k": "wk", "v": "wv", "o": "wo"}  # attention's; the MLP's are w_<name>
+
+
+def _weight_of(module_params: dict, name: str) -> str:
+    weight = WEIGHT_NAMES.get(name, f"w_{name}")
+    assert weight in module_params, (name, sorted(module_params))
+    return weight
+
+
+def _product(a, b, weight_ndim: int):
+    """A B as the weight's shape, for stacked layers too: a [layers..., C..., r], b [layers..., r, O...]."""
+    lead = a.ndim + b.ndim - 2 - weight_ndim  # stacked dimensions (layers) in front of each
+    k = a.ndim - lead - 1
+    a2 = a.reshape(*a.shape[:lead], -1, a.shape[-1])
+    b2 = b.reshape(*b.shape[:lead + 1], -1)
+    return jnp.matmul(a2, b2).reshape(*a.shape[:lead], *a.shape[lead:lead + k], *b.shape[lead + 1:])

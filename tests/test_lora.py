@@ -1,0 +1,91 @@
+"""LoRA adapters on a frozen base (models.lora): the same training on fsdp x tensor as on one
+device, only the adapters in the optimizer and the gradients (the compiled step's bytes), and bad
+settings refused in one line. Import, resume and export to PEFT: tests/test_convert.py."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import small_config
+from jaxscale import config as config_lib
+from jaxscale.analysis.step_plan import compile_plan, describe
+from jaxscale.errors import ConfigError
+from jaxscale.models import lora
+from jaxscale.validate import validate
+
+# fsdp=4 x tensor=2: how many ways each logical axis of an adapter is split.
+SPLITS = {"layers": 1, "embed": 4, "heads": 2, "kv_heads": 2, "head_dim": 1, "mlp": 2, "lora_rank": 1}
+
+
+def _config(**mesh):
+    config = small_config()
+    config.model.lora.update(rank=4, alpha=8.0)
+    config.optim.update(lr=1e-2, warmup_steps=0)
+    config.mesh.update({"data": 1, **mesh})
+    return config
+
+
+def _train(config, steps: int = 4):
+    """(losses of `steps` steps on one random batch, the run, its plan, the last state)."""
+    devices = jax.devices()[:math.prod(config.mesh.values())]
+    run, compiled, seconds = compile_plan(config, "cpu", devices)
+    t = config.train
+    tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (t.global_batch_size, t.seq_len + 1))
+    batch = jax.device_put({"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)},
+                           run.batch_sharding)
+    state, losses = run.init_state(), []
+    for _ in range(steps):
+        state, metrics = compiled(state, batch)
+        losses.append(float(metrics["loss"]))
+    return losses, run, describe(config, run, compiled, seconds), state
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return _train(_config())
+
+
+def test_lora_on_fsdp_and_tensor_trains_as_on_one_device(one_device):
+    losses, _, _, state = one_device
+    split, run, plan, _ = _train(_config(fsdp=4, tensor=2))
+    np.testing.assert_allclose(split, losses, rtol=1e-5)
+    assert losses[-1] < losses[0] - 0.01  # the adapters learn the batch (B starts at zero: step 1 is the base's loss)
+    # Every adapter leaf moved; the frozen base is the seed's, untouched.
+    a, b = lora.split(jax.tree.map(np.asarray, state.weights))
+    assert all(np.abs(x).max() > 0 for x in jax.tree.leaves(a))
+    rows, (shapes, axes) = plan.per_device_bytes, (lora.split(t)[0] for t in (run.model.shapes, run.model.axes))
+    leaves = zip(jax.tree.leaves(shapes), jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple)))
+    per_device = sum(math.prod(shape.shape) / math.prod(SPLITS[name] for name in names) for shape, names in leaves)
+    # Adam: the adapters (float32 masters) and their two moments, 12 bytes each, split as their axes say.
+    assert rows.params + rows.opt_state == pytest.approx(12 * per_device, rel=0.01)
+    assert rows.grads == pytest.approx(4 * per_device, rel=0.01)  # gradients of the adapters alone
+
+
+def test_the_optimizer_holds_only_the_adapters_and_the_base_may_be_bfloat16(one_device):
+    _, run, plan, _ = one_device
+    adapters, base = (sum(math.prod(x.shape) for x in jax.tree.leaves(t)) for t in lora.split(run.model.shapes))
+    rows = plan.per_device_bytes
+    assert rows.params == 4 * adapters and rows.opt_state == pytest.approx(8 * adapters, rel=0.01)
+    assert rows.frozen == 4 * base and plan.num_params == adapters + base
+    config = _config()
+    config.model.lora.base_dtype = "bfloat16"
+    run, compiled, seconds = compile_plan(config, "cpu", jax.devices()[:1])
+    assert describe(config, run, compiled, seconds).per_device_bytes.frozen == 2 * base
+
+
+@pytest.mark.parametrize("overrides, field, words", [
+    (["model.lora.targets='q,x'"], "model.lora.targets", "'x' is not one"),
+    (["model.lora.targets='in'"], "model.lora.targets", "'in' is not one"),  # a SwiGLU MLP has gate, up, down
+    (["model.lora.rank=-1"], "model.lora.rank", "must be >= 0"),
+    (["model.lora.base_dtype='float16'"], "model.lora.base_dtype", "float32"),
+    (["model.mla.kv_lora_rank=16", "model.num_kv_heads=4"], "model.lora.rank", "latent attention"),
+    (["model.moe.num_experts=4"], "model.lora.targets", "target attention alone"),
+])
+def test_bad_lora_settings_name_the_field(overrides, field, words):
+    config = _config()
+    config_lib.apply_overrides(config, overrides)
+    with pytest.raises(ConfigError) as info:
+        validate(config, 1)
+    assert info.value.field == field and words in str(info.value), str(info.value)
