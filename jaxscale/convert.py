@@ -93,7 +93,7 @@ def to_hf(checkpoint: str, hf_dir, peft: bool = False) -> int:
             raise ConfigError("--peft", "True", f"{checkpoint} holds no adapters (model.lora.rank=0)")
         peft_lib.save_peft(lora.split(params)[0], spec, hf_dir, _base_model(config))
         return step
-    save_hf(lora.folded(params, spec.lora), peft_lib.without_adapters(spec), hf_dir)
+    save_hf(lora.folded(params, spec.lora), lora.without(spec), hf_dir)
     tokenizer = Path(config.data.tokenizer)
     if tokenizer.suffix == ".json" and tokenizer.exists():
         shutil.copy(tokenizer, Path(hf_dir) / "tokenizer.json")

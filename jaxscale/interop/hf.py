@@ -90,7 +90,7 @@ def save_hf(params: dict, spec, out_dir, max_shard_bytes: int = DEFAULT_SHARD_BY
     _check_tree(flat, spec)
     shapes = {path: tuple(x.shape) for path, x in flat.items()}
     layer_shapes = _per_layer(shapes)
-    tensors = _export_order(rows_for(spec.family, set(flat)), shapes, _spacing(spec))
+    tensors = _export_order(rows_for(spec.family, set(flat)), shapes, Spacing.of(spec))
     sizes = {name: 4 * math.prod(hf_shape(row, layer_shapes)) for name, (row, *_) in tensors.items()}
     shards = hf_files.plan_shards(sizes, max_shard_bytes)
     files = hf_files.shard_file_names(len(shards))
@@ -105,10 +105,6 @@ def save_hf(params: dict, spec, out_dir, max_shard_bytes: int = DEFAULT_SHARD_BY
                              sum(sizes.values()))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return [out / file for file in files]
-
-
-def _spacing(spec) -> Spacing:
-    return Spacing(spec.moe.every_n_layers, spec.moe.first_dense)
 
 
 def _rotary(spec, interleaved: bool, paths) -> dict[str, int]:
@@ -169,7 +165,7 @@ def _checkpoint_names(reader, rows, spec, shapes) -> dict[tuple[Row, int | None]
     for row in rows:
         expected = hf_shape(row, layer_shapes)
         for layer in _layers(row, shapes):
-            found = tuple(_find(reader, hf_name(row, layer, _spacing(spec), expert), BASE_PREFIX[spec.family])
+            found = tuple(_find(reader, hf_name(row, layer, Spacing.of(spec), expert), BASE_PREFIX[spec.family])
                           for expert in _experts(row, shapes))
             for name in found:
                 if reader.shape(name) != expected:

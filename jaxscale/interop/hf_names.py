@@ -172,6 +172,11 @@ class Spacing:
     every_n: int = 1
     first: int = 0
 
+    @classmethod
+    def of(cls, spec) -> Spacing:
+        """The spacing of a model of `spec` (its model.moe)."""
+        return cls(spec.moe.every_n_layers, spec.moe.first_dense)
+
 
 def hf_layer(row: Row, index: int, spacing: Spacing = Spacing()) -> int:
     """HF's layer number of slice `index` of the row's stacked parameter: see Spacing."""

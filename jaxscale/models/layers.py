@@ -143,10 +143,10 @@ class Attention(nnx.Module):
         if cfg.arch.attention_bias == "all":
             self.bias_o = zeros((D,), ("norm",))
         for name in lora.ATTENTION_TARGETS:
-            lora.attach(self, cfg.lora, name, getattr(self, lora.WEIGHT_NAMES[name]), 2 if name == "o" else 1, rngs)
+            lora.attach(self, cfg.lora, name, 2 if name == "o" else 1, rngs)
 
     def _project(self, x_BLD, name, heads_axis):
-        y = lora.adapt(self, name, x_BLD, self.matmul(x_BLD, getattr(self, f"w{name}")[...], 1))
+        y = lora.adapt(self, name, x_BLD, self.matmul(x_BLD, getattr(self, lora.weight_name(name))[...], 1))
         y = y + getattr(self, f"bias_{name}")[...] if hasattr(self, f"bias_{name}") else y
         return constrain(y, self.strategy.layout, ("batch", "act_length", heads_axis, "head_dim"))
 
@@ -268,7 +268,7 @@ class MLP(nnx.Module):
                                             normal(rngs, (D, F), ("embed", "mlp"), cfg.init_std)),
                          lambda _, output: zeros((D,), ("norm",)) if output else zeros((F,), ("mlp",)))
         for name in (*self.kind.inputs, self.kind.output):
-            lora.attach(self, cfg.lora, name, getattr(self, f"w_{name}"), 1, rngs)
+            lora.attach(self, cfg.lora, name, 1, rngs)
 
     def __call__(self, x_BLD):
         w = {name: getattr(self, name)[...] for name in self.kind.names(self.biased)}
@@ -279,5 +279,4 @@ class MLP(nnx.Module):
         def hidden(h_BLF):
             return constrain(h_BLF, self.layout, ("batch", "act_length", "act_mlp"))
 
-        return self.kind.run(x_BLD, w, dot, lambda y, b: y + b, hidden,
-                             lambda name, x, y: lora.adapt(self, name, x, y))
+        return self.kind.run(x_BLD, w, dot, lambda y, b: y + b, hidden, functools.partial(lora.adapt, self))

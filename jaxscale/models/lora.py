@@ -12,6 +12,7 @@ the parameter tree (the optimizer's and the gradients' tree), the rest is the fr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -25,10 +26,13 @@ from jaxscale.names import AXES_KEY
 PREFIX = "lora_"
 RANK_AXIS = "lora_rank"
 # The projections an adapter may target: attention's query, key, value and output, and the MLP's
-# (SwiGLU/GeGLU gate, up, down; GELU in, out).
+# (models.layers.MLPS: SwiGLU/GeGLU gate, up, down; GELU in, out).
 ATTENTION_TARGETS = ("q", "k", "v", "o")
-MLP_TARGETS = ("gate", "up", "down", "in", "out")
-TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+
+
+def weight_name(target: str) -> str:
+    """The weight a target names, beside its adapters: attention's w<target>, the MLP's w_<target>."""
+    return f"w{target}" if target in ATTENTION_TARGETS else f"w_{target}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +41,7 @@ class LoraSpec:
 
     rank: int = 0
     alpha: float = 16.0
-    targets: str = "q,k,v,o,gate,up,down"  # comma-separated names from TARGETS
+    targets: str = "q,k,v,o,gate,up,down"  # comma-separated: ATTENTION_TARGETS and the MLP's projections
     base_dtype: str = "float32"            # the frozen base's storage dtype (bfloat16 halves it)
 
     @property
@@ -52,17 +56,18 @@ class LoraSpec:
     def target_names(self) -> tuple[str, ...]:
         return tuple(t.strip() for t in self.targets.split(",") if t.strip())
 
-    def targets_(self, name: str) -> bool:
+    def adapts(self, name: str) -> bool:
         return self.on and name in self.target_names
 
 
-def attach(module: nnx.Module, spec: LoraSpec, name: str, weight: nnx.Param, k: int, rngs: nnx.Rngs) -> None:
-    """Give `module` the adapters of its weight `weight` (contracting its first k axes) when
-    `spec` targets `name`: <PREFIX><name>_a [C..., r] and <PREFIX><name>_b [r, O...]. A is drawn
-    from the `lora` stream of `rngs`, so the base's weights are the same with adapters or without."""
-    if not spec.targets_(name):
+def attach(module: nnx.Module, spec: LoraSpec, name: str, k: int, rngs: nnx.Rngs) -> None:
+    """Give `module` the adapters of its weight for `name` (weight_name; contracting its first k
+    axes) when `spec` targets it: <PREFIX><name>_a [C..., r] and <PREFIX><name>_b [r, O...]. A is
+    drawn from the `lora` stream of `rngs`, so the base's weights are the same with adapters or without."""
+    if not spec.adapts(name):
         return
     module.adapter_scale = spec.scale
+    weight = getattr(module, weight_name(name))
     axes, shape = weight.get_metadata()[AXES_KEY], weight.shape
     bound = 1.0 / math.sqrt(math.prod(shape[:k]))  # kaiming_uniform(a=sqrt(5)), as PEFT draws A
     a = jax.random.uniform(rngs.lora(), (*shape[:k], spec.rank), jnp.float32, -bound, bound)
@@ -120,27 +125,17 @@ def folded(params: dict, spec: LoraSpec) -> dict:
         for key in node:
             if str(key).startswith(PREFIX) and str(key).endswith("_a"):
                 name = str(key)[len(PREFIX):-2]
-                weight = _weight_of(out, name)
-                out[weight] = out[weight] + spec.scale * _product(node[key], node[f"{PREFIX}{name}_b"],
-                                                                    out[weight].ndim)
+                weight, a, b = weight_name(name), node[key], node[f"{PREFIX}{name}_b"]
+                stacked = a.ndim + b.ndim - 2 - out[weight].ndim  # leading layer dimensions of each
+                product = functools.partial(project, k=1)  # A [C..., r] @ B [r, O...] -> [C..., O...]
+                for _ in range(stacked):
+                    product = jax.vmap(product)
+                out[weight] = out[weight] + spec.scale * product(a, b)
         return out
 
     return fold(params)
 
 
-WEIGHT_NAMES = {"q": "wq", "k": "wk", "v": "wv", "o": "wo"}  # attention's; the MLP's are w_<name>
-
-
-def _weight_of(module_params: dict, name: str) -> str:
-    weight = WEIGHT_NAMES.get(name, f"w_{name}")
-    assert weight in module_params, (name, sorted(module_params))
-    return weight
-
-
-def _product(a, b, weight_ndim: int):
-    """A B as the weight's shape, for stacked layers too: a [layers..., C..., r], b [layers..., r, O...]."""
-    lead = a.ndim + b.ndim - 2 - weight_ndim  # stacked dimensions (layers) in front of each
-    k = a.ndim - lead - 1
-    a2 = a.reshape(*a.shape[:lead], -1, a.shape[-1])
-    b2 = b.reshape(*b.shape[:lead + 1], -1)
-    return jnp.matmul(a2, b2).reshape(*a.shape[:lead], *a.shape[lead:lead + k], *b.shape[lead + 1:])
+def without(spec):
+    """A ModelSpec `spec` without adapters: the merged model's."""
+    return dataclasses.replace(spec, lora=LoraSpec())
