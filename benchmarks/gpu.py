@@ -7,7 +7,8 @@
 Every combination runs in a fresh process (XLA reads its flags once, when the backend starts):
 bfloat16 compute, the attention kernel `auto` picks (cuDNN flash attention on NVIDIA GPUs),
 synthetic tokens, the compiled train step timed over `--steps` steps after two warm-up steps
-(median), MFU by the PaLM convention against the device's dense bf16 peak (jaxscale/analysis/mfu.py).
+(median), MFU by the PaLM convention against the device's dense bf16 peak (jaxscale/analysis/mfu.py),
+and the device memory the step holds (its inputs and temporaries, from XLA's memory analysis).
 `--flag_sets`: `jaxscale` = jaxscale's GPU defaults (jaxscale/runtime/xla_flags.py), `none` = XLA's own
 defaults. A combination that does not fit in memory is reported as such, not fatal. `--profile`
 also traces 3 steps of each (jax.profiler) and adds where the GPU's kernel time goes, by class
@@ -66,6 +67,8 @@ def _worker(args) -> dict:
             "device": jax.devices()[0].device_kind, "devices": jax.device_count(),
             "attention": run.model.spec.attention_impl,
             "temp_bytes": getattr(memory, "temp_size_in_bytes", None), "loss": float(out["loss"]),
+            # what the step holds on the device: its inputs (state, batch; the outputs reuse them) and temporaries
+            "memory_bytes": memory.argument_size_in_bytes + memory.temp_size_in_bytes,
             **({"kernels_ms": kernels} if kernels is not None else {})}
 
 
@@ -111,10 +114,10 @@ def report(rows: list[dict], overrides: list[str] = ()) -> str:
     """The results entry; each set of --override values is an entry of its own."""
     def cell(r):
         if "error" in r:
-            return f"| {r['config']} | {r['batch']} | {r['remat']} | {r['flag_set']} | {r['error']} | | |"
+            return f"| {r['config']} | {r['batch']} | {r['remat']} | {r['flag_set']} | {r['error']} | | | |"
         mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         return (f"| {r['config']} | {r['batch']} | {r['remat']} | {r['flag_set']} | {r['step_s'] * 1e3:,.1f} ms "
-                f"| {r['tokens_per_sec']:,.0f} | {mfu} |")
+                f"| {r['tokens_per_sec']:,.0f} | {mfu} | {r['memory_bytes'] / 2**30:.2f} GiB |")
     ok = [r for r in rows if "error" not in r]
     where = f"{ok[0]['devices']} x {ok[0]['device']}, attention {ok[0]['attention']}" if ok else "no run succeeded"
     kernels = [f"\n{r['config']}, batch {r['batch']}, remat {r['remat']}, {r['flag_set']} flags:\n\n"
@@ -122,7 +125,7 @@ def report(rows: list[dict], overrides: list[str] = ()) -> str:
     configs = ", ".join(dict.fromkeys(Path(r["config"]).stem for r in rows))
     variant = "".join(f", {o}" for o in overrides)
     return _common.entry(f"gpu: {configs}, seq {rows[0]['seq_len']}, bf16{variant}, {where}", "\n".join(
-        ["| config | global batch | remat | XLA flags | step | tokens/s | MFU |", "|---|---|---|---|---|---|---|"]
+        ["| config | global batch | remat | XLA flags | step | tokens/s | MFU | memory |", "|---" * 8 + "|"]
         + [cell(r) for r in rows] + kernels))
 
 

@@ -125,9 +125,10 @@ def build(config, devices=None, platform: str | None = None) -> Run:
     spec = StepSpec(model, tx, schedule, layout, shardings, config.train.grad_accum_steps, guard,
                     determinism.compiler_options(config, platform))
     n = mfu.active_params(abstract.weights, model.spec)
+    frozen = mfu.active_params(abstract.base, model.spec) if abstract.base else 0
     return Run(config=ml_collections.FrozenConfigDict(config), platform=platform, layout=layout, model=model,
                offload=offload, step_spec=spec, abstract_state=abstract, notes=tuple(notes + model_notes),
-               flops_per_token=mfu.flops_per_token(model.spec, n, config.train.seq_len),
+               flops_per_token=mfu.flops_per_token(model.spec, n, config.train.seq_len, frozen),
                peak_tflops=config.metrics.peak_tflops or _table_peak(platform, devices))
 
 

@@ -13,6 +13,7 @@ from jaxscale import config as config_lib
 from jaxscale.analysis.step_plan import compile_plan, describe
 from jaxscale.errors import ConfigError
 from jaxscale.models import lora
+from jaxscale.models.transformer import model_from_config
 from jaxscale.validate import validate
 
 # fsdp=4 x tensor=2: how many ways each logical axis of an adapter is split.
@@ -69,6 +70,10 @@ def test_the_optimizer_holds_only_the_adapters_and_the_base_may_be_bfloat16(one_
     rows = plan.per_device_bytes
     assert rows.params == 4 * adapters and rows.opt_state == pytest.approx(8 * adapters, rel=0.01)
     assert rows.frozen == 4 * base and plan.num_params == adapters + base
+    # MFU's FLOPs count the frozen base at 4 a weight (no weight gradients), the adapters at 6: the
+    # compiled step's matmuls measured 0.976 of that (full fine-tuning of this model: 1.011 of 6N);
+    # counting the base at 6 would read 0.76.
+    assert 0.95 < plan.flops.ratio < 1.05, plan.flops
     config = _config()
     config.model.lora.base_dtype = "bfloat16"
     run, compiled, seconds = compile_plan(config, "cpu", jax.devices()[:1])
@@ -89,3 +94,27 @@ def test_bad_lora_settings_name_the_field(overrides, field, words):
     with pytest.raises(ConfigError) as info:
         validate(config, 1)
     assert info.value.field == field and words in str(info.value), str(info.value)
+
+
+def _kept_bytes(rank: int) -> int:
+    """Bytes the forward pass keeps for the backward (the pullback's residuals) under
+    model.remat=dots_saveable, with adapters of `rank` on every target (0: full fine-tuning)."""
+    config = small_config()
+    config.model.update(remat="dots_saveable", lora={"rank": rank})
+    model = model_from_config(config, "cpu")[0]
+    params = jax.eval_shape(model.init, jax.random.PRNGKey(0))
+    trained, frozen = lora.split(params) if rank else (params, {})
+    tokens = jax.ShapeDtypeStruct((2, config.train.seq_len), np.int32)
+
+    def pullback(trained, frozen, tokens):
+        return jax.vjp(lambda t: model.loss(lora.merge(t, frozen) if frozen else t, tokens, tokens), trained)[1]
+
+    residuals = jax.tree.leaves(jax.eval_shape(pullback, trained, frozen, tokens))
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in residuals)
+
+
+def test_adapters_add_no_kept_activations_under_dots_saveable():
+    # The remat policy keeps matmul outputs; an adapter's (x A) B is as wide as its projection's
+    # output and the gradients never need it (lora.DotsButTheAdapters). Kept, it made this model's
+    # residuals 803,844 bytes against full fine-tuning's 645,384; recomputed, 640,004.
+    assert _kept_bytes(4) <= _kept_bytes(0)

@@ -20,7 +20,7 @@ from flax import nnx
 
 from jaxscale.errors import ConfigError
 from jaxscale.kernels.flash import soft_cap
-from jaxscale.models import decoding, fp8, periods, pipelined, prediction
+from jaxscale.models import decoding, fp8, lora, periods, pipelined, prediction
 from jaxscale.models.attention import KEPT, Placement, document_positions, resolve_impl
 from jaxscale.models.families import head_size
 from jaxscale.models.latent import LatentAttention
@@ -34,12 +34,15 @@ from jaxscale.names import UNROLL_UP_TO
 from jaxscale.parallel import context, fsdp
 from jaxscale.sharding import Layout, Stored, constrain
 
-REMAT_POLICY_FNS = {
-    "full": None,  # save nothing inside a layer: recompute it all in the backward pass
-    # keep matmul outputs and the attention kernel's residuals (models.attention.kept), recompute the rest
-    "dots_saveable": jax.checkpoint_policies.save_from_both_policies(
-        jax.checkpoint_policies.dots_saveable, jax.checkpoint_policies.save_only_these_names(KEPT)),
-}
+
+def remat_policy(spec: ModelSpec):
+    """model.remat's policy: `full` saves nothing inside a layer (it is all recomputed in the
+    backward pass); `dots_saveable` keeps the matmuls' outputs (LoRA's wide last product aside,
+    lora.DotsButTheAdapters) and the attention kernel's residuals (models.attention.KEPT)."""
+    if spec.remat == "full":
+        return None
+    dots = lora.DotsButTheAdapters(spec.lora.rank) if spec.lora.on else jax.checkpoint_policies.dots_saveable
+    return jax.checkpoint_policies.save_from_both_policies(dots, jax.checkpoint_policies.save_only_these_names(KEPT))
 
 
 
@@ -317,7 +320,7 @@ class Transformer(nnx.Module):
         forward for the backward; full and dots_saveable gather them again)."""
         if self.spec.remat == "none":
             return layer_fn
-        return jax.checkpoint(layer_fn, policy=REMAT_POLICY_FNS[self.spec.remat], prevent_cse=False)
+        return jax.checkpoint(layer_fn, policy=remat_policy(self.spec), prevent_cse=False)
 
     def _scan_layers(self, x_BLD, places):
         """The layers; under a pipeline, this is the forward-only pass (evaluation, inference):
