@@ -20,7 +20,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxscale import determinism
+from jaxscale import determinism, preference
 from jaxscale import state as state_lib
 from jaxscale.analysis import mfu
 from jaxscale.guard import GuardSpec
@@ -28,6 +28,7 @@ from jaxscale.mesh import granule_count
 from jaxscale.models import LanguageModel, model_from_config
 from jaxscale.offload import OffloadSpec, check_supported, to_device_kind
 from jaxscale.optim import make_optimizer
+from jaxscale.preference import PreferenceSpec
 from jaxscale.runtime import program_cache
 from jaxscale.sharding import Layout, layout_from_config
 from jaxscale.state import TrainState
@@ -80,11 +81,13 @@ class Run:
 
     def batch_shape(self, keys: tuple[str, ...] | None = None) -> dict[str, jax.ShapeDtypeStruct]:
         """The abstract global batch the train step takes: `keys` (Data.keys), else {'inputs',
-        'targets'} (and 'segments', the document ids, with data.document_mask)."""
+        'targets'} (and 'segments', the document ids, with data.document_mask; 'mask', the
+        completions' tokens, under preference tuning)."""
         t = self.config.train
         tokens = jax.ShapeDtypeStruct((t.global_batch_size, t.seq_len), np.int32, sharding=self.batch_sharding)
         if keys is None:
-            keys = ("inputs", "targets", "segments") if self.config.data.document_mask else ("inputs", "targets")
+            keys = ("inputs", "targets", *(("segments",) if self.config.data.document_mask else ()),
+                    *(("mask",) if self.step_spec.preference.on else ()))
         return dict.fromkeys(keys, tokens)
 
     def compile(self, keys: tuple[str, ...] | None = None):
@@ -100,7 +103,8 @@ class Run:
         (on their shardings), they replace the initialisation and are donated, not copied."""
         s = self.step_spec
         key = program_cache.key("init_state", self.config, self.devices, params)
-        return state_lib.init(s.model, s.tx, self.config.train.seed, s.layout, s.guard, params, self.offload, key)[0]
+        return state_lib.init(s.model, s.tx, self.config.train.seed, s.layout, s.guard, params, self.offload, key,
+                              s.keeps_reference)[0]
 
     def device_params(self, params: dict) -> dict:
         """`params` in device memory (a copy when they are offloaded to the host)."""
@@ -120,15 +124,16 @@ def build(config, devices=None, platform: str | None = None) -> Run:
     offload = OffloadSpec.from_config(config.offload)
     check_supported(offload, devices)
     tx, schedule = make_optimizer(config.optim, config.train.steps)
-    guard = GuardSpec.from_config(config.guard)
-    abstract, shardings = state_lib.abstract(model, tx, layout, guard, offload)
+    guard, tuning = GuardSpec.from_config(config.guard), PreferenceSpec.from_config(config)
+    abstract, shardings = state_lib.abstract(model, tx, layout, guard, offload, preference.keeps_copy(tuning, model))
     spec = StepSpec(model, tx, schedule, layout, shardings, config.train.grad_accum_steps, guard,
-                    determinism.compiler_options(config, platform))
+                    determinism.compiler_options(config, platform), tuning)
     n = mfu.active_params(abstract.weights, model.spec)
-    frozen = mfu.active_params(abstract.base, model.spec) if abstract.base else 0
+    frozen = mfu.active_params(abstract.base, model.spec) if model.spec.lora.on else 0
+    flops = mfu.flops_per_token(model.spec, n, config.train.seq_len, frozen, reference=tuning.needs_reference)
     return Run(config=ml_collections.FrozenConfigDict(config), platform=platform, layout=layout, model=model,
                offload=offload, step_spec=spec, abstract_state=abstract, notes=tuple(notes + model_notes),
-               flops_per_token=mfu.flops_per_token(model.spec, n, config.train.seq_len, frozen),
+               flops_per_token=flops,
                peak_tflops=config.metrics.peak_tflops or _table_peak(platform, devices))
 
 

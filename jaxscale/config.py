@@ -190,6 +190,11 @@ def _add_training(c: ml_collections.ConfigDict) -> None:
         chat_template="",      # "" = the tokenizer's own (beside data.tokenizer) | chatml | path/to/template.jinja
         train_on="assistant",  # all | assistant (every assistant turn) | completion (the last one): the loss mask
     )
+    c.preference = dict(       # tuning on pairs of completions (data.path: prompt, chosen, rejected records)
+        loss="none",           # none | dpo (TRL's sigmoid) | simpo (length-normalised, no reference)
+        beta=0.1,              # DPO's beta (SimPO's paper: 2.0-2.5)
+        gamma=0.5,             # SimPO's target reward margin
+    )
     c.checkpoint = dict(
         every_steps=500,       # async save every N steps (0 = only at the end); always saved at the last step
         every_minutes=0.0,     # also save when this many minutes have passed since the last save (0 = off)

@@ -69,6 +69,7 @@ SOURCES = ("auto", "embedded", "synthetic", "file")
 TOKEN_DTYPES = ("uint16", "uint32")
 TRAIN_ON = ("all", "assistant", "completion")  # data.train_on: which tokens of chat records are trained
 SPIKE_ACTIONS = ("skip", "rollback")
+PREFERENCE_LOSSES = ("none", "dpo", "simpo")  # preference.loss (jaxscale.preference)
 WANDB_MODES = ("online", "offline", "disabled")  # or "" for W&B's own setting
 
 # Metric writers, and for those needing an optional package: (module it needs, what to pip install).

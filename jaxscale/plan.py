@@ -80,10 +80,10 @@ def table(plan: Plan) -> str:
     rows = [f"plan: {plan.num_params / 1e6:,.1f}M params | mesh {mesh} | zero_stage={plan.zero_stage} | "
             f"compute {plan.compute_dtype} on {plan.platform} | compiled in {plan.compile_s}s",
             f"{'per device':<16}{'compiled':>14}{'arithmetic':>14}"]
-    lora = plan.per_device_bytes.frozen > 0  # the adapters train; the arithmetic column is full training's
+    lora = plan.frozen == "base"  # the adapters train; the arithmetic column is full training's
     labels = {"params": "adapters" if lora else "params", "opt_state": "opt_state",
-              **({"frozen": "frozen base"} if lora else {}), "other_args": "other inputs", "temp": "temporaries",
-              "grads": "  of which grads", "outputs": "outputs (new)", "total": "total"}
+              **({"frozen": f"frozen {plan.frozen}"} if plan.frozen else {}), "other_args": "other inputs",
+              "temp": "temporaries", "grads": "  of which grads", "outputs": "outputs (new)", "total": "total"}
     for key, label in labels.items():
         expected = None if lora else getattr(plan.expected_bytes, key, None)
         shown = "" if expected is None else f"{_size(expected):>14}"

@@ -4,7 +4,9 @@ The state is never built unsharded: each device creates only its own shards.
 
 With LoRA adapters (model.lora.rank > 0) `params` holds the adapters alone, the parameters the
 optimizer updates and the gradients are taken of, and `base` the frozen rest of the model, with
-no optimizer state and no gradients; `weights` is the whole tree the model runs on.
+no optimizer state and no gradients; `weights` is the whole tree the model runs on. With
+`reference` (DPO without LoRA, jaxscale.preference) `base` is a frozen copy of the starting
+parameters, split as they are, and `params` the whole model.
 
 ZeRO over `data` (the `fsdp` axis always shards everything it is given by the rules):
 stage 0 nothing more, 1 optimizer state, 2 + gradients, 3 + parameters.
@@ -38,7 +40,7 @@ class TrainState:
     opt_state: Any         # optax state; each moment shaped and sharded like its parameter
     rng: jax.Array         # uint32[2] key for stochastic layers, advanced every step
     guard: dict            # loss window and skip counters of the training guards (jaxscale.guard)
-    base: dict = dataclasses.field(default_factory=dict)  # the frozen parameters under LoRA ({} without)
+    base: dict = dataclasses.field(default_factory=dict)  # frozen parameters: LoRA's base, DPO's reference, or {}
 
     @property
     def weights(self) -> dict:
@@ -57,10 +59,12 @@ def base_target(abstract: TrainState) -> dict:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding), abstract.base)
 
 
-def trained_and_frozen(model: LanguageModel, tree: dict) -> tuple[dict, dict]:
+def trained_and_frozen(model: LanguageModel, tree: dict, reference: bool = False) -> tuple[dict, dict]:
     """(the part of a parameter-shaped tree that trains, the frozen part): with LoRA adapters
-    (the adapters, the base), else (the whole tree, {})."""
-    return lora.split(tree) if model.spec.lora.on else (tree, {})
+    (the adapters, the base), else (the whole tree, the whole tree again with `reference`, else {})."""
+    if model.spec.lora.on:
+        return lora.split(tree)
+    return tree, (tree if reference else {})
 
 
 def seeded_params(model: LanguageModel, seed: int) -> dict:
@@ -69,15 +73,16 @@ def seeded_params(model: LanguageModel, seed: int) -> dict:
 
 
 def create(model: LanguageModel, tx: optax.GradientTransformation, seed: int, guard: GuardSpec = GuardSpec(),
-           params: dict | None = None) -> TrainState:
+           params: dict | None = None, reference: bool = False) -> TrainState:
     """The initial state; a pure function of the seed (independent of the mesh). Given `params`
     (e.g. loaded for fine-tuning), they replace the seeded initialisation: with LoRA adapters,
-    `params` is the base (the adapters start from the seed), stored in lora.base_dtype."""
+    `params` is the base (the adapters start from the seed), stored in lora.base_dtype. With
+    `reference`, a frozen copy of the parameters is kept (trained_and_frozen)."""
     rng, spec = jax.random.split(jax.random.PRNGKey(seed))[1], model.spec.lora
     if params is None or spec.on:
         seeded = seeded_params(model, seed)
         params = seeded if params is None else lora.merge(lora.split(seeded)[0], params)
-    params, base = trained_and_frozen(model, params)
+    params, base = trained_and_frozen(model, params, reference)
     base = jax.tree.map(lambda x: x.astype(spec.base_dtype), base)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng,
                       guard=guard_lib.init(guard), base=base)
@@ -95,14 +100,15 @@ def grad_shardings(model: LanguageModel, layout: shd.Layout) -> dict:
     return trained_and_frozen(model, shd.named(layout.mesh, param_specs(model, layout, layout.zero_stage >= 2)))[0]
 
 
-def _shapes(model: LanguageModel, tx: optax.GradientTransformation, guard: GuardSpec) -> TrainState:
-    return jax.eval_shape(lambda: create(model, tx, 0, guard))
+def _shapes(model: LanguageModel, tx: optax.GradientTransformation, guard: GuardSpec, reference: bool) -> TrainState:
+    return jax.eval_shape(lambda: create(model, tx, 0, guard, reference=reference))
 
 
 def _shardings_of(shapes: TrainState, model: LanguageModel, tx: optax.GradientTransformation,
-                  layout: shd.Layout, offload: OffloadSpec) -> TrainState:
+                  layout: shd.Layout, offload: OffloadSpec, reference: bool) -> TrainState:
     replicated = NamedSharding(layout.mesh, P())
-    params, base = trained_and_frozen(model, shd.named(layout.mesh, param_specs(model, layout, layout.zero_stage >= 3)))
+    params, base = trained_and_frozen(model, shd.named(layout.mesh, param_specs(model, layout, layout.zero_stage >= 3)),
+                                      reference)
     moments = trained_and_frozen(model, shd.named(layout.mesh, param_specs(model, layout, layout.zero_stage >= 1)))[0]
     params, base = (to_host(params), to_host(base)) if offload.params else (params, base)
     moments = to_host(moments) if offload.optimizer_state else moments
@@ -113,10 +119,11 @@ def _shardings_of(shapes: TrainState, model: LanguageModel, tx: optax.GradientTr
 
 
 def shardings(model: LanguageModel, tx: optax.GradientTransformation, layout: shd.Layout,
-              guard: GuardSpec = GuardSpec(), offload: OffloadSpec = OffloadSpec()) -> TrainState:
+              guard: GuardSpec = GuardSpec(), offload: OffloadSpec = OffloadSpec(),
+              reference: bool = False) -> TrainState:
     """NamedShardings for every leaf of the state, from the model's logical axes and the ZeRO
     stage; offloaded leaves in pinned host memory."""
-    return _shardings_of(_shapes(model, tx, guard), model, tx, layout, offload)
+    return _shardings_of(_shapes(model, tx, guard, reference), model, tx, layout, offload, reference)
 
 
 def with_shardings(shapes, shardings_tree):
@@ -125,22 +132,25 @@ def with_shardings(shapes, shardings_tree):
 
 
 def abstract(model: LanguageModel, tx: optax.GradientTransformation, layout: shd.Layout,
-             guard: GuardSpec = GuardSpec(), offload: OffloadSpec = OffloadSpec()) -> tuple[TrainState, TrainState]:
+             guard: GuardSpec = GuardSpec(), offload: OffloadSpec = OffloadSpec(),
+             reference: bool = False) -> tuple[TrainState, TrainState]:
     """(the state as sharded ShapeDtypeStructs, its shardings): for compiling, planning and
     restoring without allocating."""
-    shapes = _shapes(model, tx, guard)
-    out = _shardings_of(shapes, model, tx, layout, offload)
+    shapes = _shapes(model, tx, guard, reference)
+    out = _shardings_of(shapes, model, tx, layout, offload, reference)
     return with_shardings(shapes, out), out
 
 
 def init(model: LanguageModel, tx: optax.GradientTransformation, seed: int, layout: shd.Layout,
          guard: GuardSpec = GuardSpec(), params: dict | None = None,
-         offload: OffloadSpec = OffloadSpec(), cache_key: str | None = None) -> tuple[TrainState, TrainState]:
+         offload: OffloadSpec = OffloadSpec(), cache_key: str | None = None,
+         reference: bool = False) -> tuple[TrainState, TrainState]:
     """(state, its shardings): compiled once, each device materialises only its shards. Given
     `params` (already on their shardings) they are donated into the state, not copied. With a
     `cache_key` (jaxscale.runtime.program_cache) the compiled initialisation is loaded or kept whole."""
-    out = shardings(model, tx, layout, guard, offload)
-    make = jax.jit(functools.partial(create, model, tx, seed, guard), out_shardings=out, donate_argnums=0)
+    out = shardings(model, tx, layout, guard, offload, reference)
+    make = jax.jit(functools.partial(create, model, tx, seed, guard, reference=reference), out_shardings=out,
+                   donate_argnums=0)
     if cache_key is None:
         return make(params), out
     program, _ = program_cache.load_or_compile(cache_key, lambda: make.lower(params))

@@ -16,12 +16,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxscale import guard as guard_lib
+from jaxscale import preference
 from jaxscale import state as state_lib
 from jaxscale.guard import GuardSpec
 from jaxscale.models import LanguageModel, lora, moe
 from jaxscale.models.vocab import IGNORE
 from jaxscale.offload import has_host, on_device
 from jaxscale.parallel import microbatch
+from jaxscale.preference import PreferenceSpec
 from jaxscale.sharding import Layout
 from jaxscale.state import TrainState
 
@@ -40,11 +42,17 @@ class StepSpec:
     accum_steps: int = 1                 # microbatches per step, accumulated in-graph
     guard: GuardSpec = GuardSpec()
     compiler_options: tuple = ()         # (name, value) pairs XLA compiles the steps with (determinism.py)
+    preference: PreferenceSpec = PreferenceSpec()  # a loss on pairs of completions (jaxscale.preference)
 
     @property
     def dtype(self):
         """The compute dtype of the forward and backward (the model's: model.spec.weights)."""
         return self.model.spec.dtype
+
+    @property
+    def keeps_reference(self) -> bool:
+        """Whether the state's frozen `base` is a copy of the starting parameters (preference.keeps_copy)."""
+        return preference.keeps_copy(self.preference, self.model)
 
     @functools.cached_property
     def grad_shardings(self) -> dict:
@@ -77,9 +85,20 @@ def loss_fn(params: dict, batch: Batch, spec: StepSpec, count=None, base=None) -
     """(training objective, metrics) of model.loss: the float32 parameters cast to the compute
     dtype where the model uses them, the loss in float32, activations placed by its strategy's
     layout; with `count` (see trained), the sum over the trained targets divided by it. With a
-    frozen `base` (LoRA), `params` are the adapters and the model runs on both."""
+    frozen `base` (LoRA), `params` are the adapters and the model runs on both. Under preference
+    tuning, the loss of the batch's pairs (jaxscale.preference) against the frozen reference."""
     weights = lora.merge(params, base) if base else params
+    if spec.preference.on:
+        return preference.loss(spec.preference, spec.model, weights, reference(params, base), batch)
     return spec.model.loss(weights, batch["inputs"], batch["targets"], batch.get("segments"), count)
+
+
+def reference(params: dict, base: dict) -> dict:
+    """The model a preference loss compares against, the one the run started from: the LoRA base
+    without its adapters (zero), else the starting parameters the state keeps frozen (`base`)."""
+    if not base or not lora.split(params)[0]:
+        return base
+    return lora.merge(jax.tree.map(jnp.zeros_like, params), base)
 
 
 def _grad_fn(spec: StepSpec, count=None, base=None):
@@ -97,7 +116,8 @@ def _grad_fn(spec: StepSpec, count=None, base=None):
 def _accumulate(params, batch: Batch, spec: StepSpec, grad_shardings=None, count=None, base=None):
     """Mean (metrics, grads) over spec.accum_steps microbatches, summed in float32. With
     `grad_shardings`, each microbatch's gradients and the running sum are kept there."""
-    grad_fn, shapes = _grad_fn(spec, count, base), {"loss": (), **spec.model.stat_shapes}
+    grad_fn = _grad_fn(spec, count, base)
+    shapes = {"loss": (), **spec.model.stat_shapes, **spec.preference.metric_shapes}
 
     def place(grads):
         return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
@@ -145,7 +165,7 @@ def loss_and_grads(params, batch: Batch, spec: StepSpec, base=None):
     batch, count = trained(batch, spec.accum_steps)
     if spec.accum_steps == 1:
         return _grad_fn(spec, count, base)(params, batch)
-    if spec.layout.zero_stage < 2:
+    if spec.layout.zero_stage < 2 and spec.layout.mesh.shape["data"] > 1:  # one replica: nothing to reduce
         return _accumulate_per_replica(params, batch, spec, count, base)
     return _accumulate(params, batch, spec, spec.grad_shardings, count, base)
 
@@ -194,12 +214,14 @@ def jit_train_step(spec: StepSpec):
 
 def jit_eval_step(spec: StepSpec):
     """Mean validation loss (cross entropy) of one batch, over its trained targets: (weights,
-    batch) -> loss, weights the model's whole parameter tree (TrainState.weights)."""
+    batch) -> loss, weights the model's whole parameter tree (TrainState.weights). Under
+    preference tuning, the cross entropy of the pairs' completions, chosen and rejected alike."""
     params_shardings = spec.state_shardings.weights
 
     def fn(params, batch):
         batch, count = trained(batch)
-        return loss_fn(on_device(params, params_shardings), batch, spec, count)[1]["loss"]
+        weights = on_device(params, params_shardings)
+        return spec.model.loss(weights, batch["inputs"], batch["targets"], batch.get("segments"), count)[1]["loss"]
 
     replicated = NamedSharding(spec.layout.mesh, P())
     return jax.jit(fn, in_shardings=(params_shardings, spec.layout.batch_sharding()), out_shardings=replicated,

@@ -8,7 +8,7 @@ settings, then how the model and batch meet the mesh, then data, checkpoint and 
 
 from __future__ import annotations
 
-from jaxscale import guard, mesh, optim, sharding, tracking
+from jaxscale import guard, mesh, optim, preference, sharding, tracking
 from jaxscale.analysis import mfu
 from jaxscale.checkpoint import settings as checkpoint_settings
 from jaxscale.config import check_keys
@@ -37,7 +37,7 @@ def _check_settings(config) -> None:
     model_checks.check_model(config)
     model_checks.check_lora(config)
     _check_train(config)
-    for part in (optim, guard, distributed, health, profiler, mfu):
+    for part in (optim, guard, preference, distributed, health, profiler, mfu):
         part.check(config)
 
 

@@ -273,7 +273,7 @@ def test_advice_names_the_biggest_contributor(plans):
 
 JSON_KEYS = ["mesh", "zero_stage", "remat", "pipeline", "platform", "compute_dtype", "num_params", "compile_s",
              "per_device_bytes", "argument_bytes", "compiled_bytes", "host_bytes", "expected_bytes", "collectives",
-             "collectives_by_axis", "flops", "expected", "notes"]
+             "collectives_by_axis", "flops", "expected", "notes", "frozen"]
 
 
 def test_the_plans_json_has_the_keys_it_always_had(plans):

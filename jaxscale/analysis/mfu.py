@@ -48,14 +48,16 @@ def active_params(params, spec) -> int:
     return n - experts + experts * spec.moe.top_k // spec.moe.num_experts
 
 
-def flops_per_token(spec, n_params: int, seq_len: int, frozen: int = 0) -> float:
+def flops_per_token(spec, n_params: int, seq_len: int, frozen: int = 0, reference: bool = False) -> float:
     """Training FLOPs per token, PaLM (Chowdhery et al. 2022, app. B): 6N + 12·L·H·Q·T; with
     value heads of another width than the query's and key's (latent attention, models.latent)
     the scores' and the weighted sum's halves apart: 6·L·H·(Q + V)·T. `frozen` of the N are
     not trained (a LoRA base): their weight gradients are never computed, so they cost 4 (the
-    forward and the input's gradient), not 6."""
+    forward and the input's gradient), not 6. With a `reference` model (DPO), each token also
+    runs its forward pass: 2N + 2·L·H·(Q + V)·T more."""
     qk, v = widths(spec)
-    return 6.0 * n_params - 2.0 * frozen + 6.0 * spec.num_layers * spec.num_heads * (qk + v) * seq_len
+    attention = spec.num_layers * spec.num_heads * (qk + v) * seq_len
+    return 6.0 * n_params - 2.0 * frozen + 6.0 * attention + (2.0 * n_params + 2.0 * attention if reference else 0.0)
 
 
 def attention_recompute_flops_per_token(spec, seq_len: int) -> float:

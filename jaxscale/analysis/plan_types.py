@@ -59,7 +59,8 @@ class PipelineSummary(_Record):
 @dataclasses.dataclass(frozen=True)
 class MemoryRows(_Record):
     """Per-device bytes of a compiled step in rows that add up to its peak (`total`); `grads` is
-    part of `temp`, not another row. Under LoRA `params` are the adapters and `frozen` the base."""
+    part of `temp`, not another row. Under LoRA `params` are the adapters and `frozen` the base;
+    under DPO without LoRA `frozen` is the reference's copy."""
 
     params: int
     opt_state: int
@@ -203,6 +204,7 @@ class Plan(_Record):
     flops: Flops
     expected: ExpectedRun
     notes: tuple[str, ...] = ()
+    frozen: str = ""   # what per_device_bytes.frozen holds: "base" (LoRA), "reference" (DPO's copy) or ""
     topology: TopologySummary | None = _unset()
     memory_limit_bytes: float | None = _unset()
     fits: bool | None = _unset()

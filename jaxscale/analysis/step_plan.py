@@ -90,6 +90,7 @@ def describe(config, run, compiled, compile_s: float) -> Plan:
         mesh=dict(mesh), zero_stage=run.layout.zero_stage, remat=config.model.remat,
         pipeline=_pipeline_summary(run, table), platform=run.platform, compute_dtype=str(run.step_spec.dtype),
         num_params=sum(math.prod(x.shape) for x in jax.tree.leaves(state.weights)), compile_s=round(compile_s, 2),
+        frozen="base" if run.model.spec.lora.on else "reference" if run.step_spec.keeps_reference else "",
         per_device_bytes=compiled_bytes(run, compiled), argument_bytes=memory.argument_size_in_bytes,
         compiled_bytes=CompiledBytes(memory.argument_size_in_bytes, memory.output_size_in_bytes,
                                      memory.temp_size_in_bytes, memory.alias_size_in_bytes,

@@ -184,11 +184,17 @@ def encode(path: Path, template: Template | None, tokenizer: Tokenizer,
     of one length, mask 1 where a token is trained."""
     tokens, mask = [], []
     for record, where in formats.records(path):
-        cut, eos_trained = spans(record, template, train_on, where)
-        for text, trained in cut:
-            ids = tokenizer.encode(text)
-            tokens += ids
-            mask += [int(trained)] * len(ids)
-        tokens.append(tokenizer.eos_id)
-        mask.append(int(eos_trained))
+        ids, trained = tokenized(*spans(record, template, train_on, where), tokenizer)
+        tokens += ids
+        mask += trained
     return np.asarray(tokens, token_dtype(tokenizer.vocab_size)), np.asarray(mask, np.uint8)
+
+
+def tokenized(cut: Spans, eos_trained: bool, tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """(tokens, mask) of a record's spans (see spans), each span tokenized on its own, and the EOS after them."""
+    tokens, mask = [], []
+    for text, trained in cut:
+        ids = tokenizer.encode(text)
+        tokens += ids
+        mask += [int(trained)] * len(ids)
+    return tokens + [tokenizer.eos_id], mask + [int(eos_trained)]

@@ -18,13 +18,14 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxscale.data import sources
+from jaxscale.data import pairs, sources
 from jaxscale.data.batches import Batch, StepBatches, process_rows
 from jaxscale.data.mixture import MixtureMap
 from jaxscale.data.settings import DataSettings, read_settings
 from jaxscale.data.synthetic import synthetic_splits
 from jaxscale.data.tokenize import Tokenizer, load_tokenizer
 from jaxscale.data.windows import TokenWindows, train_val_windows
+from jaxscale.errors import ConfigError
 
 STEPS_AHEAD = 2  # prefetched local batches per read thread
 
@@ -48,15 +49,18 @@ class Split:
     train: TokenWindows | Sequence
     val: TokenWindows | Sequence
     weight: float = 1.0
+    paired: bool = False  # samples are preference pairs (data.pairs), read as two rows each
 
 
 def _orders(splits: list[Split], seed: int) -> tuple[grain.MapDataset, grain.MapDataset, MixtureMap | None]:
     """(the training order: shuffled and reshuffled every epoch, the validation order: as stored,
     the mixture map when there are several sources)."""
     if len(splits) == 1:
-        train, val = splits[0].train, splits[0].val
-        return (grain.MapDataset.source(train).shuffle(seed=shuffle_seed(seed)).repeat(),
-                grain.MapDataset.source(val).repeat(), None)
+        train = grain.MapDataset.source(splits[0].train).shuffle(seed=shuffle_seed(seed)).repeat()
+        val = grain.MapDataset.source(splits[0].val).repeat()
+        if splits[0].paired:  # pairs shuffled whole, then read row by row
+            train, val = (grain.MapDataset.source(pairs.Rows(order)) for order in (train, val))
+        return train, val, None
     mix = MixtureMap([s.weight for s in splits], shuffle_seed(seed))
     train = [grain.MapDataset.source(s.train).shuffle(seed=shuffle_seed(seed, s.name)).repeat() for s in splits]
     val = [grain.MapDataset.source(s.val).repeat() for s in splits]
@@ -123,10 +127,12 @@ class Data:
 
 
 def _tokens(windows, seq_len: int) -> int:
-    return windows.tokens if isinstance(windows, TokenWindows) else len(windows) * seq_len
+    return windows.tokens if isinstance(windows, TokenWindows | pairs.PairWindows) else len(windows) * seq_len
 
 
 def _split(source: sources.Source, s: DataSettings, eos_id: int | None, masked: bool = False) -> Split:
+    if source.pairs is not None:
+        return Split(source.name, *pairs.split(*source.pairs, s.val_fraction, eos_id), source.weight, paired=True)
     train, val = train_val_windows(source.pieces, s.seq_len, s.val_fraction, eos_id,
                                    name=source.name if s.mixture else "", masks=source.masks, masked=masked)
     return Split(source.name, train, val, source.weight)
@@ -139,11 +145,18 @@ def _file_splits(s: DataSettings, tokenizer: Tokenizer) -> tuple[list[Split], tu
     encoded = sum(source.encoded_bytes for source in loaded)
     notes = (sources.PREPARE_NOTE.format(mib=encoded / 2**20, files="text files are"),) if encoded else ()
     masked = any(source.masks is not None for source in loaded)  # then every batch carries a mask
+    if len(loaded) > 1 and any(source.pairs is not None for source in loaded):
+        raise ConfigError("data.mixture", s.mixture[0][1], "preference pairs are read from one source; "
+                          "set data.path (several files or a glob may name them)")
     return ([_split(source, s, eos_id, masked) for source in loaded],
             notes + _mixture_notes(loaded, s) + _mask_notes(loaded, s))
 
 
 def _mask_notes(loaded: list[sources.Source], s: DataSettings) -> tuple[str, ...]:
+    if loaded[0].pairs is not None:
+        tokens, mask = loaded[0].pairs
+        return (f"preference data: {len(tokens):,} pairs, {int(mask.sum()):,} of {mask.size:,} tokens in their "
+                "completions; a batch holds pair i as rows 2i (chosen) and 2i+1 (rejected)",)
     masks = [mask for source in loaded for mask in source.masks or ()]
     if not masks:
         return ()

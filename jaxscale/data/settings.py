@@ -31,6 +31,7 @@ class DataSettings:
     document_mask: bool
     chat_template: str
     train_on: str
+    pairs: bool          # preference tuning (preference.loss): the data are preference pairs (jaxscale.data.pairs)
     seq_len: int
     global_batch: int
     seed: int
@@ -82,6 +83,9 @@ def check(config) -> None:
             "use an integer in [0, 2**32)")  # Grain's range
     require(d.token_dtype in TOKEN_DTYPES, "data.token_dtype", d.token_dtype,
             "use uint16 (vocab <= 65536, nanoGPT's default) or uint32")
+    require(config.preference.loss == "none" or bool(d.path), "preference.loss", config.preference.loss,
+            "preference tuning reads pairs of completions: set --config.data.path=PAIRS.jsonl (records with prompt, "
+            "chosen and rejected)")
 
 
 def read_settings(config) -> DataSettings:
@@ -92,5 +96,6 @@ def read_settings(config) -> DataSettings:
     if data["source"] == "auto":
         data["source"] = "file" if data["path"] or config.data.mixture else "embedded"
     t, vocab = config.train, int(config.model.vocab_size)
-    return DataSettings(**data, mixture=parse_mixture(config.data.mixture), seq_len=int(t.seq_len),
-                        global_batch=int(t.global_batch_size), seed=int(t.seed), vocab_size=vocab)
+    return DataSettings(**data, mixture=parse_mixture(config.data.mixture), pairs=config.preference.loss != "none",
+                        seq_len=int(t.seq_len), global_batch=int(t.global_batch_size), seed=int(t.seed),
+                        vocab_size=vocab)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxscale.data import chat, formats, store
+from jaxscale.data import chat, formats, pairs, store
 from jaxscale.data.encode import encode_all
 from jaxscale.data.formats import Piece
 from jaxscale.data.settings import DataSettings
@@ -36,6 +36,7 @@ class Source:
     weight: float = 1.0
     encoded_bytes: int = 0   # of text encoded at this start (0 when every piece is memory-mapped)
     masks: list[np.ndarray] | None = None
+    pairs: tuple[np.ndarray, np.ndarray] | None = None  # preference pairs' (tokens, mask) (jaxscale.data.pairs)
 
 
 def embedded_pieces() -> list[Piece]:
@@ -107,6 +108,9 @@ def load(name: str, spec: str, settings: DataSettings, tokenizer: Tokenizer, fie
          weight: float = 1.0) -> Source:
     """The source `spec` names, every file checked; ConfigError(field or the part at fault) else."""
     paths = formats.expand(spec, field)
+    paired = [path for path in paths if path.is_file() and pairs.is_pairs(path)]
+    if paired or settings.pairs:
+        return _pair_source(name, paths, paired, settings, tokenizer, field, weight)
     chats = [path for path in paths if path.is_file() and chat.is_chat(path, settings.text_field)]
     if chats:
         return _chat_source(name, paths, chats, settings, tokenizer, field, weight)
@@ -136,6 +140,24 @@ def _chat_source(name: str, paths: list[Path], chats: list[Path], settings: Data
     encoded = [chat.encode(path, template, tokenizer, settings.train_on) for path in chats]
     return Source(name, [tokens for tokens, _ in encoded], weight, sum(path.stat().st_size for path in chats),
                   [mask for _, mask in encoded])
+
+
+def _pair_source(name: str, paths: list[Path], paired: list[Path], settings: DataSettings, tokenizer: Tokenizer,
+                 field: str, weight: float) -> Source:
+    """A source of preference pairs only, when preference tuning is on (and only then)."""
+    if not settings.pairs:
+        raise ConfigError(field, str(paired[0]), "holds preference pairs (prompt, chosen, rejected); tune on them "
+                          "with --config.preference.loss=dpo (or simpo)")
+    other = next((path for path in paths if path not in paired), None)
+    if other is not None:
+        raise ConfigError(field, str(other), "is not preference records (prompt, chosen and rejected); "
+                          "preference.loss tunes on those alone")
+    check_tokenizer_vocab(tokenizer, settings.vocab_size)
+    template = chat.load_template(settings.chat_template, settings.tokenizer) if _needs_template(paired, settings) \
+        else None
+    encoded = [pairs.encode(path, template, tokenizer, settings.seq_len) for path in paired]
+    return Source(name, [], weight, sum(path.stat().st_size for path in paired),
+                  pairs=tuple(np.concatenate(parts) for parts in zip(*encoded)))
 
 
 def _needs_template(paths: list[Path], settings: DataSettings) -> bool:

@@ -10,6 +10,8 @@ def format_record(record: dict) -> str:
     parts = [f"step {record['step']}", f"loss {record['loss']:.4f}"]
     if "val_loss" in record:
         parts.append(f"val_loss {record['val_loss']:.4f}")
+    if "reward_accuracy" in record:  # preference tuning (jaxscale.preference)
+        parts.append(f"reward acc {record['reward_accuracy']:.2f} margin {record['reward_margin']:.3f}")
     parts.append(f"{record['tokens_per_sec']:,.0f} tok/s")
     parts.append(f"step {record['step_time_s'] * 1e3:.1f} ms")
     parts.append("MFU n/a" if record["mfu"] is None else f"MFU {100 * record['mfu']:.1f}%")
