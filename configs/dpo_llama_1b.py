@@ -1,11 +1,11 @@
 """DPO on preference pairs for Llama-3.2-1B (configs/sft_llama_1b.py's settings), on one GPU.
 
 The reference is the model the run starts from: with LoRA, the frozen base with the adapters off
-(docs/finetuning.md). Start from a model already instruction-tuned (converted, or an SFT run's
-merged export):
+(docs/finetuning.md). Start from a model already instruction-tuned (a Hugging Face directory,
+e.g. an SFT run's merged export):
 
-  python -m jaxscale.train --config=configs/dpo_llama_1b.py --config.checkpoint.init_from=imported \
-      --config.data.path=pairs.jsonl --config.data.tokenizer=path/to/Llama-3.2-1B-Instruct/tokenizer.json
+  python -m jaxscale.train --config=configs/dpo_llama_1b.py --config.data.path=pairs.jsonl \
+      --config.checkpoint.init_from=path/to/Llama-3.2-1B-Instruct --workdir=runs/dpo_llama_1b
 """
 
 from pathlib import Path

@@ -3,9 +3,8 @@
 The loss trains the assistant's turns (data.train_on=assistant), rendered by the tokenizer's own
 chat template; adapters of rank 16 on every projection, over a bfloat16 base (docs/finetuning.md):
 
-  python -m jaxscale.convert from-hf path/to/Llama-3.2-1B-Instruct imported/
-  python -m jaxscale.train --config=configs/sft_llama_1b.py --config.checkpoint.init_from=imported \
-      --config.data.path=chats.jsonl --config.data.tokenizer=path/to/Llama-3.2-1B-Instruct/tokenizer.json
+  python -m jaxscale.train --config=configs/sft_llama_1b.py --config.data.path=chats.jsonl \
+      --config.checkpoint.init_from=path/to/Llama-3.2-1B-Instruct --workdir=runs/sft_llama_1b
   python -m jaxscale.convert to-hf runs/sft_llama_1b adapters/ --peft
 """
 

@@ -9,6 +9,9 @@ the HF dir has one) and a parameters-only checkpoint in OUT_DIR/checkpoints/0. T
 
     python -m jaxscale.train --config=OUT_DIR/config.json --config.checkpoint.init_from=OUT_DIR --workdir=RUN
 
+A run can also name the HF directory itself, checkpoint.init_from=HF_DIR (start_from_hf): it takes
+the model's shape and tokenizer and converts the weights once into WORKDIR/hf_import.
+
 to-hf writes the parameters of CKPT (a workdir, its checkpoints/ directory or one step's
 directory; the newest committed step unless a step's directory is given) as an HF checkpoint
 that transformers' AutoModelForCausalLM loads, with the run's tokenizer.json if it used one (and the
@@ -21,6 +24,7 @@ Exit codes: 0 done, 2 bad input (one line on stderr), 1 anything else.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -101,6 +105,45 @@ def to_hf(checkpoint: str, hf_dir, peft: bool = False) -> int:
             if (tokenizer.parent / name).is_file():
                 shutil.copy(tokenizer.parent / name, Path(hf_dir) / name)
     return step
+
+
+def is_hf_dir(path) -> bool:
+    """Whether `path` is a Hugging Face model directory (a config.json naming a model_type), not a
+    jaxscale checkpoint or run."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return "model_type" in json.loads(config.read_text())
+    except ValueError:
+        return False
+
+
+def start_from_hf(config, workdir, say=print):
+    """`config` for a run in `workdir` whose checkpoint.init_from names a Hugging Face directory: a
+    copy with the model's shape and tokenizer (config_for_hf), starting from its weights converted
+    once into WORKDIR/hf_import (kept there: a resumed LoRA or DPO run reads its base from them
+    again). Any other config is returned as it is. The conversion runs in one process; with
+    several, convert first (python -m jaxscale.convert from-hf)."""
+    import copy
+
+    import jax
+
+    hf_dir = config.checkpoint.init_from
+    if not hf_dir or not is_hf_dir(hf_dir):
+        return config
+    if jax.process_count() > 1:
+        raise ConfigError("checkpoint.init_from", hf_dir, "is a Hugging Face directory; with several processes "
+                          "convert it first: python -m jaxscale.convert from-hf DIR OUT, then init_from=OUT")
+    config = config_for_hf(hf_dir, copy.deepcopy(config), say=say)
+    imported = Path(workdir) / "hf_import"
+    if not (imported / "checkpoints").exists():
+        say(f"converting {hf_dir} into {imported} (once; later runs in this workdir reuse it)")
+        base = copy.deepcopy(config)
+        base.model.lora.rank = 0  # the model's own weights: adapters start from the seed
+        from_hf(hf_dir, imported, base)
+    config.checkpoint.init_from = str(imported)
+    return config
 
 
 def _base_model(config) -> str:

@@ -48,15 +48,13 @@ class Trainer:
         runs/<name of hf_dir>. `config` (default: the defaults) gets the model's shape, the HF
         dir's tokenizer.json if it has one, and for a GPT-2 a train.seq_len no longer than its
         positions (lowered with a printed note)."""
+        from jaxscale import config as config_lib
         from jaxscale import convert
 
         workdir = Path("runs") / Path(hf_dir).resolve().name if workdir is None else Path(workdir)
-        config = convert.config_for_hf(hf_dir, config)
-        imported = workdir / "hf_import"
-        if not (workdir / "checkpoints").exists() and not (imported / "checkpoints").exists():
-            convert.from_hf(hf_dir, imported, config)
-        config.checkpoint.init_from = str(imported)
-        return cls(config, workdir, **kwargs)
+        config = config_lib.defaults() if config is None else config
+        config.checkpoint.init_from = str(hf_dir)
+        return cls(convert.start_from_hf(config, workdir), workdir, **kwargs)
 
     # -- training ------------------------------------------------------------------------------
 

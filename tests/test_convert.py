@@ -91,20 +91,19 @@ def _logits(model_dir, adapters=None):
 
 
 def test_lora_fine_tunes_an_import_resumes_and_exports_for_peft_and_merged(tmp_path):
-    """LoRA (rank 4 on q, k, v, o, gate, up, down) on an imported Llama: its checkpoints hold the
-    adapters and their optimizer state, not the base; a resume from step 2 repeats the steps after
-    it exactly; the adapters in PEFT's format, loaded by peft onto the transformers model, and
-    the merged export each give jaxscale's logits."""
+    """LoRA (rank 4 on q, k, v, o, gate, up, down) on a Llama started from its Hugging Face
+    directory (checkpoint.init_from=HF_DIR: converted once into WORKDIR/hf_import): its checkpoints
+    hold the adapters and their optimizer state, not the base; a resume from step 2 in another
+    workdir (converting the base again there) repeats the steps after it exactly; the adapters in
+    PEFT's format, loaded by peft onto the transformers model, and the merged export each give
+    jaxscale's logits."""
     import shutil
 
-    from jaxscale.convert import config_for_hf, from_hf
-
     hf = _hf_llama(tmp_path / "hf")
-    config = config_for_hf(hf, say=lambda _: None)
-    from_hf(hf, tmp_path / "imported", config)
+    config = config_lib.defaults()
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CHATS))
     config.data.path = str(tmp_path / "chats.jsonl")
-    config.checkpoint.update(init_from=str(tmp_path / "imported"), every_steps=2)
+    config.checkpoint.update(init_from=str(hf), every_steps=2)
     config.model.lora.update(rank=4, alpha=8.0)
     config.optim.update(lr=1e-2, warmup_steps=0)
     config.train.update(steps=4, global_batch_size=8, seq_len=32, log_every=1, eval_every=0)
@@ -120,7 +119,7 @@ def test_lora_fine_tunes_an_import_resumes_and_exports_for_peft_and_merged(tmp_p
         return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
     # The base (112,448 parameters) is not saved again: the adapters (8,192) and their moments are.
-    assert size(tmp_path / "run" / "checkpoints" / "4") < size(tmp_path / "imported" / "checkpoints" / "0") / 2
+    assert size(tmp_path / "run" / "checkpoints" / "4") < size(tmp_path / "run" / "hf_import" / "checkpoints" / "0") / 2
 
     trained, params, _ = load_params(str(tmp_path / "run"))
     ours = np.asarray(model_from_config(trained, "cpu")[0].apply(params, TOKENS))

@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 
 from jaxscale import config as config_lib
+from jaxscale import convert
 from jaxscale import report as report_lib
 from jaxscale import state as state_lib
 from jaxscale.analysis import inspection
@@ -125,6 +126,7 @@ def open_session(config, workdir: str | Path, show_progress: bool = True, device
     the run and its state (restored from where the workdir or the config says, else fresh), the
     metric writers and the console. Closing it waits for the last checkpoint to commit."""
     workdir, devices, opened = Path(workdir), list(devices or jax.devices()), time.perf_counter()
+    config = convert.start_from_hf(config, workdir, _print_once)  # init_from a Hugging Face directory
     cache_note = jax_cache.enable(config.xla)
     run = _build(config, devices)  # validated, and the data found, before the workdir is touched
     if config.distributed.preflight and jax.process_count() > 1:
