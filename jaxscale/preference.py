@@ -15,7 +15,9 @@ A completion's log-probability under a model, log π(y|x), is the sum of its tok
 The loss is the mean over the batch's pairs. Metrics, as TRL logs them: rewards_chosen and
 rewards_rejected (β times the completion's log-ratio to the reference; SimPO: its mean
 log-probability), reward_accuracy (the share of pairs whose chosen reward is the larger) and
-reward_margin (their mean difference). The full logits [rows, length, vocabulary] are formed, in float32.
+reward_margin (their mean difference). The log-probabilities come from the head's chunked
+vocabulary-parallel pass (models.vocab), as the language-model loss does: no [rows, length,
+vocabulary] logits are formed.
 """
 
 from __future__ import annotations
@@ -89,15 +91,9 @@ def check(config) -> None:
 def log_probs(model, weights: dict, batch: dict) -> tuple[jax.Array, jax.Array, dict]:
     """(each row's summed log-probability of its trained targets [rows], how many they are [rows],
     the router's statistics) in float32; untrained targets are vocab.IGNORE (step.trained)."""
-    logits, stats = model.apply_with_stats(weights, batch["inputs"], None, batch.get("segments"))
-    targets = batch["targets"]
+    losses, targets, stats = model.token_losses(weights, batch["inputs"], batch["targets"], batch.get("segments"))
     kept = targets != IGNORE
-    # The target's logit by a comparison and a sum, not a gather: the vocabulary may be split
-    # (tensor parallelism), and XLA's partitioner failed on the gather inside accumulation's shard_map.
-    columns = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
-    picked = jnp.sum(jnp.where(columns == targets[..., None], logits, 0.0), axis=-1)
-    token = picked - jax.nn.logsumexp(logits, axis=-1)
-    return jnp.sum(jnp.where(kept, token, 0.0), axis=1), jnp.sum(kept, axis=1, dtype=jnp.float32), stats
+    return -jnp.sum(jnp.where(kept, losses, 0.0), axis=1), jnp.sum(kept, axis=1, dtype=jnp.float32), stats
 
 
 def pair_losses(spec: PreferenceSpec, logps, lengths, reference=None) -> tuple[jax.Array, jax.Array]:

@@ -163,12 +163,13 @@ class Transformer(nnx.Module):
             x_BLD = x_BLD * jnp.asarray(self.spec.d_model ** 0.5, x_BLD.dtype)
         return constrain(x_BLD, layout, RESIDUAL)
 
-    def head_loss(self, x_BLD, targets_BL, final_norm=None, mask_BL=None, count=None):
+    def head_loss(self, x_BLD, targets_BL, final_norm=None, mask_BL=None, count=None, per_token: bool = False):
         """(mean next-token cross entropy, mean squared log-sum-exp: the z-loss) of the last
         layer's output x_BLD: the final norm (or `final_norm`: (its graphdef, params, stored
         dims)), the head and the loss in one vocabulary-parallel pass (models.vocab), no
         [tokens, V] logits; with mask_BL, over the tokens it keeps; with count, the sums over
-        the targets that are not vocab.IGNORE divided by it."""
+        the targets that are not vocab.IGNORE divided by it. With per_token, each token's
+        cross entropy [B, L] instead."""
         s = self.spec
         head = (Table(self.embed[...], ("vocab", "embed")) if s.tie_embeddings else
                 Table(self.head[...], ("embed", "vocab"), transposed=True))
@@ -178,7 +179,7 @@ class Transformer(nnx.Module):
         norm_def, norm_params, norm_dims = final_norm
         prelude = (lambda params, x: nnx.merge(norm_def, params)(x), norm_params, norm_dims)
         return cross_entropy(x_BLD, head, targets_BL, s.strategy.layout, s.weights, s.head_chunk_mib, prelude,
-                             s.final_logit_softcap, mask_BL, count)
+                             s.final_logit_softcap, mask_BL, count, per_token)
 
     def logits(self, x_BLD):
         """Float32 logits [B, L, V] of the last layer's output: final norm, then the head (then
@@ -459,6 +460,15 @@ class LanguageModel:
         if self.spec.strategy.pipeline != "none" and self.spec.strategy.context == "none":
             return pipelined.loss(self, params, inputs_BL, targets_BL, places, count)
         return self._objective(*self._loss(params, inputs_BL, targets_BL, places, count))
+
+    def token_losses(self, params: dict, inputs_BL, targets_BL, segments_BL=None):
+        """(each target's cross entropy, float32 [B, L], the targets, the router's statistics), the
+        tokens in the order the strategy computes in (a row's sums are the same in any order):
+        the head's chunked vocabulary-parallel pass, no [B, L, V] logits. Not under a pipeline."""
+        (inputs_BL, targets_BL), places, _ = self._lay_out((inputs_BL, targets_BL), segments_BL)
+        model = nnx.merge(self.graphdef, params)
+        x_BLD, _, stats = model.hidden(inputs_BL, places)
+        return model.head_loss(x_BLD, targets_BL, per_token=True), targets_BL, stats
 
     def _objective(self, loss, stats: dict):
         """(training objective, metrics) from the mean cross entropy and the statistics."""

@@ -202,16 +202,16 @@ def _cross_entropy_sum(x_TD, w_DV, targets_T, mask_T, head: _Head):
     """(sum over this device's tokens of log-sum-exp(x @ W) - (x @ W)[target], sum of
     log-sum-exp(x @ W)^2: the z-loss's), each token's terms times its weight in mask_T (float32;
     None: 1), the vocabulary split over head.v_axes and W's rows over head.d_axes."""
-    value, lse, _ = _forward(x_TD, w_DV, targets_T, mask_T, head)
-    return value, _weighted_sum(lse * lse, mask_T)
+    per_token, lse, _ = _forward(x_TD, w_DV, targets_T, head)
+    return _weighted_sum(per_token, mask_T), _weighted_sum(lse * lse, mask_T)
 
 
 def _weighted_sum(x_T, mask_T):
     return jnp.sum(x_T if mask_T is None else x_T * mask_T)
 
 
-def _forward(x_TD, w_DV, targets_T, mask_T, head: _Head):
-    """(the weighted sum, each token's log-sum-exp, the probabilities when there is one chunk)."""
+def _forward(x_TD, w_DV, targets_T, head: _Head):
+    """(each token's cross entropy, its log-sum-exp, the probabilities when there is one chunk)."""
     targets = _targets_local(targets_T, head)
 
     def step(carry, c):
@@ -231,12 +231,13 @@ def _forward(x_TD, w_DV, targets_T, mask_T, head: _Head):
         picked, top = jax.lax.psum(picked, head.v_axes), overall
     lse = top + jnp.log(total)
     probs = jnp.exp(logits[0] - lse[:, None]) if logits is not None else None
-    return _weighted_sum(lse - picked, mask_T), lse, probs
+    return lse - picked, lse, probs
 
 
 def _fwd(x_TD, w_DV, targets_T, mask_T, head):
-    value, lse, probs = _forward(x_TD, w_DV, targets_T, mask_T, head)
-    return (value, _weighted_sum(lse * lse, mask_T)), (x_TD, w_DV, targets_T, mask_T, lse, probs)
+    per_token, lse, probs = _forward(x_TD, w_DV, targets_T, head)
+    return ((_weighted_sum(per_token, mask_T), _weighted_sum(lse * lse, mask_T)),
+            (x_TD, w_DV, targets_T, mask_T, lse, probs))
 
 
 def _bwd(head, residuals, cotangents):
@@ -279,22 +280,43 @@ def _bwd(head, residuals, cotangents):
 _cross_entropy_sum.defvjp(_fwd, _bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _token_cross_entropy(x_TD, w_DV, targets_T, head: _Head):
+    """Each of this device's tokens' log-sum-exp(x @ W) - (x @ W)[target], float32 [T]: the pass
+    of _cross_entropy_sum with its terms kept apart (a preference loss sums them by row)."""
+    return _forward(x_TD, w_DV, targets_T, head)[0]
+
+
+def _token_fwd(x_TD, w_DV, targets_T, head):
+    per_token, lse, probs = _forward(x_TD, w_DV, targets_T, head)
+    return per_token, (x_TD, w_DV, targets_T, None, lse, probs)
+
+
+def _token_bwd(head, residuals, g_T):
+    return _bwd(head, residuals, (g_T, jnp.zeros((), jnp.float32)))[:3]  # each token's share: its own cotangent
+
+
+_token_cross_entropy.defvjp(_token_fwd, _token_bwd)
+
+
 def _local_loss(x_BLD, w_DV, targets_BL, mask_BL, d_axes, v_axes, columns, weights: Weights, chunk_mib: float,
-                plan: rings.Stages = (), cap: float = 0.0):
-    """The (weighted: mask_BL, None for 1) sum of this device's tokens' cross entropies: its weight
-    block [D/|d_axes|, V/|v_axes|] padded to whole chunks."""
+                plan: rings.Stages = (), cap: float = 0.0, per_token: bool = False):
+    """The (weighted: mask_BL, None for 1) sum of this device's tokens' cross entropies (with
+    per_token, each one's, [B, L]): its weight block [D/|d_axes|, V/|v_axes|] padded to whole chunks."""
     B, L, D = x_BLD.shape
     chunk = chunk_columns(B * L, columns, chunk_mib, bool(d_axes))
     chunks = -(-columns // chunk)
     w_DV = jnp.pad(w_DV, ((0, 0), (0, chunks * chunk - columns)))
     head = _Head(d_axes, v_axes, columns, chunk, chunks, weights.compute, weights.reduce, plan, cap)
+    x_TD, targets_T = x_BLD.reshape(B * L, D).astype(weights.compute), targets_BL.reshape(-1)
+    if per_token:
+        return _token_cross_entropy(x_TD, w_DV, targets_T, head).reshape(B, L)
     mask_T = None if mask_BL is None else mask_BL.reshape(-1).astype(jnp.float32)
-    return _cross_entropy_sum(x_BLD.reshape(B * L, D).astype(weights.compute), w_DV, targets_BL.reshape(-1), mask_T,
-                              head)
+    return _cross_entropy_sum(x_TD, w_DV, targets_T, mask_T, head)
 
 
 def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chunk_mib: float, prelude=None,
-                  cap: float = 0.0, mask_BL=None, count=None):
+                  cap: float = 0.0, mask_BL=None, count=None, per_token: bool = False):
     """(mean next-token cross entropy of the logits x @ head, mean squared log-sum-exp of the
     logits: the z-loss), over the vocabulary, float32 throughout, the logits in chunks, each
     soft-capped at `cap` (0: not); with mask_BL (0/1 per token, placed as the tokens) the means
@@ -302,14 +324,19 @@ def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chun
     0, and both sums are divided by count instead of by the tokens they weigh (step.trained: a
     piece of a batch divides by its share of the whole batch's trained tokens). x_BLD is placed as
     the residual stream; prelude(x) -> x, if given, runs on it first (the final norm: inside the
-    map, so its weights are gathered here) and is (fn, params, stored dims of params)."""
+    map, so its weights are gathered here) and is (fn, params, stored dims of params). With
+    per_token, each token's cross entropy instead, float32 [B, L] placed as the tokens (mask_BL
+    and count are not taken; an IGNORE target's is its log-sum-exp)."""
     if count is not None:
         kept = (targets_BL != IGNORE).astype(jnp.float32)
         mask_BL = kept if mask_BL is None else mask_BL * kept
     if layout is None:
         x_BLD = prelude[0](prelude[1], x_BLD) if prelude else x_BLD
         w_DV = head.value.T if not head.transposed else head.value
-        sums = _local_loss(x_BLD, w_DV, targets_BL, mask_BL, (), (), w_DV.shape[1], weights, chunk_mib, cap=cap)
+        sums = _local_loss(x_BLD, w_DV, targets_BL, mask_BL, (), (), w_DV.shape[1], weights, chunk_mib, cap=cap,
+                           per_token=per_token)
+        if per_token:
+            return sums
         if count is None:
             count = targets_BL.size if mask_BL is None else jnp.sum(mask_BL.astype(jnp.float32))
         return tuple(total / count for total in sums)
@@ -334,7 +361,9 @@ def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chun
         if v_gather:
             w_DV = jax.lax.all_gather(w_DV, v_gather, axis=1, tiled=True)
         sums = _local_loss(x_BLD, w_DV, targets_BL, mask_BL, d_axes, v_axes, columns, weights, chunk_mib,
-                           rings.stages(layout.mesh, d_axes), cap)
+                           rings.stages(layout.mesh, d_axes), cap, per_token)
+        if per_token:
+            return sums
         if given is not None:
             count = given
         elif mask_BL is None:
@@ -351,5 +380,5 @@ def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chun
     inward = jax.tree.map(lambda p: p.astype(weights.reduce), (head.value, params))
     return _mapped(local, layout, (x_spec, w_spec, ids_spec, p_specs, None if mask_BL is None else ids_spec,
                             None if count is None else P()),
-                   (P(), P()))(x_BLD, inward[0], targets_BL, inward[1], mask_BL, count)
+                   ids_spec if per_token else (P(), P()))(x_BLD, inward[0], targets_BL, inward[1], mask_BL, count)
 
