@@ -2,11 +2,15 @@
 
     python -m jaxscale.prepare --input='corpus/*.parquet' --out=STORE [--tokenizer=bytes]
         [--text_field=text] [--workers=N] [--shard_mb=64] [--progress=true]
+        [--chat_template=TEMPLATE] [--train_on=assistant]
 
 Reads .txt/.md, .jsonl/.json (+ .gz/.zst), .parquet and Hugging Face datasets saved with
 `save_to_disk` (comma-separate several files, directories or globs), streaming; writes one shard
 of token ids and a document index per unit of about shard_mb input megabytes, and a manifest with
 the tokenizer's identity (jaxscale.data.store). Train on it with --config.data.path=STORE.
+Chat records (jaxscale.data.chat: messages, or prompt and completion) are rendered by the chat
+template (--chat_template, as data.chat_template: the tokenizer's own by default) and stored with
+their loss mask (--train_on, as data.train_on), one shard per file.
 
 Killed, it continues where it stopped when run again with the same flags, and the store comes out
 byte-identical to one prepared without a stop. Bad input exits 2 with one line; nothing is lost.
@@ -25,13 +29,14 @@ from pathlib import Path
 from jaxscale import cli
 from jaxscale.data import build_store, store
 from jaxscale.data.tokenize import load_tokenizer
-from jaxscale.errors import require
+from jaxscale.errors import require, require_choice
+from jaxscale.names import TRAIN_ON
 
 USAGE = ("usage: python -m jaxscale.prepare --input=FILES_DIRS_OR_GLOBS --out=STORE [--tokenizer=bytes|tokenizer.json"
          "|tiktoken:NAME] [--text_field=text] [--workers=N (default: one per core)] [--shard_mb=64] "
-         "[--progress=true]")
+         "[--progress=true] [--chat_template=TEMPLATE] [--train_on=all|assistant|completion]")
 FLAGS = {"input": str, "out": str, "tokenizer": str, "text_field": str, "workers": int, "shard_mb": float,
-         "progress": bool}
+         "progress": bool, "chat_template": str, "train_on": str}
 
 
 def _bar(enabled: bool, total: int):
@@ -83,9 +88,12 @@ def prepare(flags: dict, say=print) -> dict:
     require(workers >= 1, "--workers", workers, "must be >= 1")
     require(shard_mb > 0, "--shard_mb", shard_mb, "must be > 0 (input megabytes per shard)")
     spec, text_field, out = flags.get("tokenizer", "bytes"), flags.get("text_field", "text"), Path(flags["out"])
+    chat = {"template": flags.get("chat_template", ""), "train_on": flags.get("train_on", "assistant")}
+    require_choice("--train_on", chat["train_on"], TRAIN_ON)
     with build_store.flag_errors():
         tokenizer = load_tokenizer(spec)
-        manifest, units = build_store.plan(flags["input"], tokenizer, spec, text_field, max(1, int(shard_mb * 2**20)))
+        manifest, units = build_store.plan(flags["input"], tokenizer, spec, text_field, max(1, int(shard_mb * 2**20)),
+                                           chat)
     build_store.begin(out, manifest)
     written = {i for i in range(len(units)) if store.is_done(out, i)}
     todo = [(i, u, str(out), text_field) for i, u in enumerate(units) if i not in written]
@@ -106,7 +114,7 @@ def prepare(flags: dict, say=print) -> dict:
             watcher.start()
         try:
             with build_store.flag_errors():
-                build_store.run(todo, spec, workers, counters_for, lambda index: None)
+                build_store.run(todo, spec, workers, counters_for, lambda index: None, manifest.get("chat"))
         finally:
             stop.set()
             if watcher:

@@ -143,3 +143,34 @@ def test_a_chat_run_trains_on_the_answers_only(tmp_path):
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = [(m["trained_tokens"], m["trained_tokens_per_sec"]) for m in metrics if "loss" in m]
     assert trained and all(0 < t < 8 * 64 and rate > 0 for t, rate in trained)
+
+
+def test_a_token_store_of_chat_records_carries_their_mask(tmp_path):
+    """python -m jaxscale.prepare renders chat records once, with their loss mask beside the ids:
+    training from the store reads the same windows and masks as from the records; a store made
+    with another train_on, or chat records beside text in one prepare, is refused in one line."""
+    from jaxscale.prepare import prepare
+
+    records = [{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i} " * 3}]}
+               for i in range(120)]
+    path = _write(records)
+    flags = {"input": str(path), "out": str(tmp_path / "store"), "workers": 1, "progress": False,
+             "chat_template": "chatml"}
+    manifest = prepare(flags, say=lambda _: None)
+    assert manifest["chat"] == {"template": "chatml", "train_on": "assistant"}
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices())
+    sharding = NamedSharding(mesh, P("data", None))
+    direct = make_data(_config(path, chat_template="chatml"), sharding)
+    stored = make_data(_config(tmp_path / "store"), sharding)
+    assert stored.num_train_tokens == direct.num_train_tokens
+    for step in range(3):
+        a, b = direct.local_batch(step), stored.local_batch(step)
+        assert set(a) == set(b) == {"inputs", "targets", "mask"}
+        for key in a:
+            np.testing.assert_array_equal(a[key], b[key])
+    with pytest.raises(ConfigError) as info:
+        make_data(_config(tmp_path / "store", train_on="all"), sharding)
+    assert info.value.field == "data.train_on" and "--train_on=all" in str(info.value)
+    (tmp_path / "plain.txt").write_text("plain text " * 30)
+    with pytest.raises(ConfigError, match="--input.*not chat records"):
+        prepare({**flags, "input": f"{path},{tmp_path / 'plain.txt'}", "out": str(tmp_path / "other")})

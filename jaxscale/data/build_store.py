@@ -12,15 +12,17 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from jaxscale.data import encode, formats, store
+from jaxscale.data import chat, encode, formats, store
 from jaxscale.data.tokenize import Tokenizer, load_tokenizer
 from jaxscale.errors import ConfigError, RunError
 
 # Field names of the errors the data readers raise, as prepare's flags.
-FLAGS = {formats.PATH: "--input", formats.TEXT_FIELD: "--text_field", "data.tokenizer": "--tokenizer"}
+FLAGS = {formats.PATH: "--input", formats.TEXT_FIELD: "--text_field", "data.tokenizer": "--tokenizer",
+         chat.FIELD: "--chat_template"}
 Task = tuple[int, formats.Unit, str, str]  # (shard index, unit, store directory, text field)
 PLAN_KEYS = ("name", "input", "kind", "start", "stop")  # a shard's entry in the plan
 
@@ -39,12 +41,21 @@ def _tokenizer_spec(spec: str) -> str:
     return spec if spec == "bytes" or spec.startswith("tiktoken:") else str(Path(spec).resolve())
 
 
-def plan(inputs: str, tokenizer: Tokenizer, spec: str, text_field: str, unit_bytes: int) -> tuple[dict, list]:
-    """(the store's manifest before any shard is written, its units of work, one per shard)."""
+def plan(inputs: str, tokenizer: Tokenizer, spec: str, text_field: str, unit_bytes: int,
+         chat_settings: dict | None = None) -> tuple[dict, list]:
+    """(the store's manifest before any shard is written, its units of work, one per shard).
+    Chat records (jaxscale.data.chat) are rendered with chat_settings ({'template', 'train_on'})
+    and stored with their loss mask, one shard per file."""
     paths = formats.expand(inputs)
     for path in paths:
         if path.is_dir() or formats.kind_of(path) == "tokens":
             raise ConfigError(formats.PATH, str(path), "is tokenized already; give it to data.path as it is")
+    chats = [path for path in paths if chat.is_chat(path, text_field)]
+    if chats and len(chats) < len(paths):
+        other = next(path for path in paths if path not in chats)
+        raise ConfigError(formats.PATH, str(other), f"is not chat records, beside {chats[0]}; prepare them "
+                          "into separate stores")
+    unit_bytes = sys.maxsize if chats else unit_bytes  # a chat file is rendered whole
     units = [(number, unit) for number, path in enumerate(paths) for unit in formats.units(path, unit_bytes)]
     stats = [path.stat() for path in paths]
     manifest = {
@@ -56,6 +67,7 @@ def plan(inputs: str, tokenizer: Tokenizer, spec: str, text_field: str, unit_byt
                    for p, s in zip(paths, stats)],
         "shards": [dict(zip(PLAN_KEYS, (store.shard_name(i), number, unit.kind, unit.start, unit.stop)))
                    for i, (number, unit) in enumerate(units)],
+        **({"chat": dict(chat_settings or {"template": "", "train_on": "assistant"})} if chats else {}),
     }
     return manifest, [unit for _, unit in units]
 
@@ -95,9 +107,9 @@ def finish(out: Path, manifest: dict) -> dict:
 _WORKER: dict = {}  # in each worker process: its tokenizer, the shared counters, the parent's pid
 
 
-def init_worker(spec: str, counters, parent: int) -> None:
+def init_worker(spec: str, counters, parent: int, chat_settings: dict | None = None) -> None:
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # one core per worker: no tokenizer thread pools
-    _WORKER.update(tokenizer=load_tokenizer(spec), counters=counters, parent=parent)
+    _WORKER.update(tokenizer=load_tokenizer(spec), counters=counters, parent=parent, spec=spec, chat=chat_settings)
 
 
 class Counters:
@@ -132,9 +144,12 @@ def work(task: Task) -> int:
         counters.add(position - read[0], tokens)
         read[0] = position
 
-    pieces = formats.read(unit, text_field)
     try:
-        store.write_shard(Path(out), index, encode.encoded(pieces, _WORKER["tokenizer"]), progress)
+        if _WORKER["chat"] is not None:
+            _write_chat(Path(out), index, unit, progress)
+        else:
+            store.write_shard(Path(out), index, encode.encoded(formats.read(unit, text_field), _WORKER["tokenizer"]),
+                              progress)
     except OSError as error:
         if error.filename and str(Path(error.filename).parent) == str(Path(out)):
             raise RunError(f"cannot write the store {out}: {error}") from None
@@ -143,18 +158,27 @@ def work(task: Task) -> int:
     return index
 
 
+def _write_chat(out: Path, index: int, unit: formats.Unit, progress: Callable[[int, int], None]) -> None:
+    """A chat file's shard: its records rendered (jaxscale.data.chat), with their loss mask."""
+    settings, tokenizer, path = _WORKER["chat"], _WORKER["tokenizer"], Path(unit.path)
+    template = chat.load_template(settings["template"], _WORKER["spec"]) \
+        if chat.needs_template(path, settings["template"]) else None
+    tokens, mask, ends = chat.encode_records(formats.records(path), template, tokenizer, settings["train_on"])
+    store.write_shard(out, index, [(tokens, ends, unit.size)], progress, mask)
+
+
 def run(tasks: list[Task], spec: str, workers: int, counters_for: Callable[[object], Counters],
-        on_done: Callable[[int], None]) -> None:
+        on_done: Callable[[int], None], chat_settings: dict | None = None) -> None:
     """Every task, in `workers` spawned processes (in this one when there is one worker or task);
     on_done(index) as each shard lands. counters_for(shared or None) makes the progress counters."""
     if workers <= 1 or len(tasks) <= 1:
-        init_worker(spec, counters_for(None), os.getppid())
+        init_worker(spec, counters_for(None), os.getppid(), chat_settings)
         for task in tasks:
             on_done(work(task))
         return
     context = multiprocessing.get_context("spawn")
     counters = counters_for(context.Array("q", 2))
-    pool = context.Pool(min(workers, len(tasks)), init_worker, (spec, counters, os.getpid()))
+    pool = context.Pool(min(workers, len(tasks)), init_worker, (spec, counters, os.getpid(), chat_settings))
     try:
         for index in pool.imap_unordered(work, tasks):
             on_done(index)

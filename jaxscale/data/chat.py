@@ -133,6 +133,13 @@ def is_chat(path: Path, text_field: str) -> bool:
                                                                  {"prompt", "completion"} <= set(first[0]))
 
 
+def needs_template(path: Path, spec: str) -> bool:
+    """Whether records of `path` need a chat template: one is named (`spec`), or its first record
+    is a conversation (prompt and completion strings are joined without one)."""
+    first = next(formats.records(path))[0]
+    return bool(spec) or not (isinstance(first.get("prompt"), str) and "messages" not in first)
+
+
 # --- spans -----------------------------------------------------------------------------------
 
 def _messages(value, where: str, key: str) -> list[dict]:
@@ -182,12 +189,21 @@ def encode(path: Path, template: Template | None, tokenizer: Tokenizer,
            train_on: str) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, mask) of every record of `path`, each followed by the tokenizer's EOS: int arrays
     of one length, mask 1 where a token is trained."""
-    tokens, mask = [], []
-    for record, where in formats.records(path):
+    return encode_records(formats.records(path), template, tokenizer, train_on)[:2]
+
+
+def encode_records(records, template: Template | None, tokenizer: Tokenizer,
+                   train_on: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, mask, ends) of (record, where) pairs: as `encode`, with the offset just after each
+    record's EOS (a token store's document index)."""
+    tokens, mask, ends = [], [], []
+    for record, where in records:
         ids, trained = tokenized(*spans(record, template, train_on, where), tokenizer)
         tokens += ids
         mask += trained
-    return np.asarray(tokens, token_dtype(tokenizer.vocab_size)), np.asarray(mask, np.uint8)
+        ends.append(len(tokens))
+    return (np.asarray(tokens, token_dtype(tokenizer.vocab_size)), np.asarray(mask, np.uint8),
+            np.asarray(ends, np.uint64))
 
 
 def tokenized(cut: Spans, eos_trained: bool, tokenizer: Tokenizer) -> tuple[list[int], list[int]]:

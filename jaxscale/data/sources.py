@@ -94,14 +94,18 @@ def _checked_ids(tokens: np.ndarray, vocab_size: int, path: Path) -> np.ndarray:
     return tokens
 
 
-def _store_shards(path: Path, settings: DataSettings, tokenizer: Tokenizer, field: str) -> list[np.ndarray]:
+def _open_store(path: Path, settings: DataSettings, tokenizer: Tokenizer, field: str) -> store.Store:
     opened = store.open_store(path, field)
     made_with = opened.tokenizer
     if made_with["identity"] != tokenizer.identity:
         raise ConfigError("data.tokenizer", settings.tokenizer, f"{path} was prepared with {made_with['spec']} "
                           f"({made_with['identity']}); set data.tokenizer={made_with['spec']}")
+    if opened.chat is not None and opened.chat["train_on"] != settings.train_on:
+        made = opened.chat["train_on"]
+        raise ConfigError("data.train_on", settings.train_on, f"{path} holds chat records masked with train_on={made}; "
+                          f"set data.train_on={made}, or prepare it again with --train_on={settings.train_on}")
     check_tokenizer_vocab(tokenizer, settings.vocab_size)
-    return opened.shards
+    return opened
 
 
 def load(name: str, spec: str, settings: DataSettings, tokenizer: Tokenizer, field: str = "data.path",
@@ -114,17 +118,29 @@ def load(name: str, spec: str, settings: DataSettings, tokenizer: Tokenizer, fie
     chats = [path for path in paths if path.is_file() and chat.is_chat(path, settings.text_field)]
     if chats:
         return _chat_source(name, paths, chats, settings, tokenizer, field, weight)
-    pieces, encoded = [], 0
+    pieces, encoded, masks = [], 0, []
     for path in paths:
         if path.is_dir():
-            pieces += _store_shards(path, settings, tokenizer, field)
+            opened = _open_store(path, settings, tokenizer, field)
+            pieces += opened.shards
+            masks += opened.masks or [None] * len(opened.shards)
         elif formats.kind_of(path) == "tokens":
             pieces.append(_checked_ids(token_file(path, settings.token_dtype), settings.vocab_size, path))
         else:
             check_tokenizer_vocab(tokenizer, settings.vocab_size)  # before encoding, so a mismatch fails fast
             pieces.append(encode_all(formats.read(formats.whole_file(path), settings.text_field), tokenizer))
             encoded += path.stat().st_size
-    return Source(name, pieces, weight, encoded)
+    return Source(name, pieces, weight, encoded, _store_masks(masks, len(pieces), paths, field))
+
+
+def _store_masks(masks: list, pieces: int, paths: list[Path], field: str) -> list[np.ndarray] | None:
+    """The chat stores' masks, one per piece, when every piece is a chat store's; None when none is."""
+    if not any(mask is not None for mask in masks):
+        return None
+    if len(masks) < pieces or any(mask is None for mask in masks):
+        raise ConfigError(field, ",".join(str(p) for p in paths), "mixes a store of chat records with other data "
+                          "in one source; give them as separate sources of data.mixture")
+    return masks
 
 
 def _chat_source(name: str, paths: list[Path], chats: list[Path], settings: DataSettings, tokenizer: Tokenizer,
@@ -161,10 +177,7 @@ def _pair_source(name: str, paths: list[Path], paired: list[Path], settings: Dat
 
 
 def _needs_template(paths: list[Path], settings: DataSettings) -> bool:
-    """A template is loaded when one is named or the first record is a conversation (prompt and
-    completion strings are joined without one)."""
-    first = next(formats.records(paths[0]))[0]
-    return bool(settings.chat_template) or not (isinstance(first.get("prompt"), str) and "messages" not in first)
+    return chat.needs_template(paths[0], settings.chat_template)
 
 
 def embedded(settings: DataSettings, tokenizer: Tokenizer) -> Source:

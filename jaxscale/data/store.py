@@ -7,6 +7,8 @@
                                  document followed by the tokenizer's EOS id
     STORE/shard-00000.docs.bin   the document index: uint64 offsets, 0 and then the end of each
                                  document (document k is ids [docs[k], docs[k+1]), its EOS last)
+    STORE/shard-00000.mask.bin   chat records only (the manifest's "chat"): the loss mask, uint8,
+                                 1 for each id that is trained (jaxscale.data.chat)
 
 A shard is a pure function of its unit of input. It is written under a temporary name and renamed
 when whole (its index first, its ids last), so a prepare killed at any moment and run again keeps
@@ -28,6 +30,7 @@ from jaxscale.errors import ConfigError
 MANIFEST = "manifest.json"
 FORMAT = "jaxscale.token_store/1"
 PARTIAL = ".tmp-"  # in the names of files being written
+MASK = ".mask.bin"  # a chat shard's loss mask beside its ids
 
 
 def shard_name(index: int) -> str:
@@ -63,10 +66,11 @@ def remove_partial(store: Path) -> None:
 
 
 def write_shard(store: Path, index: int, chunks: Iterable[tuple[np.ndarray, np.ndarray, int]],
-                progress: Callable[[int, int], None]) -> None:
+                progress: Callable[[int, int], None], mask: np.ndarray | None = None) -> None:
     """Shard `index` from (ids, document ends within ids, input position) chunks; calls
-    progress(tokens, input position) after each."""
-    final = {suffix: store / f"{shard_name(index)}{suffix}" for suffix in (".docs.bin", ".bin")}
+    progress(tokens, input position) after each. Chat records' shards have their `mask` too."""
+    suffixes = (".docs.bin", *((MASK,) if mask is not None else ()), ".bin")
+    final = {suffix: store / f"{shard_name(index)}{suffix}" for suffix in suffixes}
     partial = {suffix: path.with_name(f"{path.name}{PARTIAL}{os.getpid()}") for suffix, path in final.items()}
     with open(partial[".bin"], "wb") as ids_file, open(partial[".docs.bin"], "wb") as docs_file:
         docs_file.write(np.zeros(1, np.uint64).tobytes())
@@ -76,7 +80,9 @@ def write_shard(store: Path, index: int, chunks: Iterable[tuple[np.ndarray, np.n
             docs_file.write((ends + np.uint64(written)).tobytes())
             written += len(ids)
             progress(len(ids), position)
-    for suffix in (".docs.bin", ".bin"):  # the ids last: a shard exists once they do
+    if mask is not None:
+        partial[MASK].write_bytes(np.asarray(mask, np.uint8).tobytes())
+    for suffix in suffixes:  # the ids last: a shard exists once they do
         os.replace(partial[suffix], final[suffix])
 
 
@@ -95,10 +101,16 @@ class Store:
     path: Path
     manifest: dict
     shards: list[np.ndarray]
+    masks: list[np.ndarray] | None = None  # chat records' loss masks, one per shard (uint8 memory maps)
 
     @property
     def tokenizer(self) -> dict:
         return self.manifest["tokenizer"]
+
+    @property
+    def chat(self) -> dict | None:
+        """How chat records were rendered: {'template', 'train_on'}; None for text."""
+        return self.manifest.get("chat")
 
     def documents(self, index: int) -> np.ndarray:
         """Shard `index`'s document index (see the module docstring), memory-mapped."""
@@ -127,4 +139,6 @@ def open_store(path: Path, field: str) -> Store:
                           "run the same prepare command again to complete it")
     dtype = np.dtype(manifest["dtype"])
     shards = [_shard(path / f"{s['name']}.bin", s["tokens"], dtype, field) for s in manifest["shards"]]
-    return Store(path, manifest, shards)
+    masks = None if "chat" not in manifest else [
+        _shard(path / f"{s['name']}{MASK}", s["tokens"], np.dtype(np.uint8), field) for s in manifest["shards"]]
+    return Store(path, manifest, shards, masks)
