@@ -158,7 +158,8 @@ def _add_parallelism(c: ml_collections.ConfigDict) -> None:
         schedule_file="",      # with schedule=file: one line of actions per stage, e.g. "F0 F1 B0 F2 B1 B2"
     )
     c.sharding = dict(
-        sequence_parallel=False,  # keep norms/residuals split along length over `tensor` between TP regions
+        sequence_parallel=True,   # with mesh.tensor > 1: norms/residuals split along length over `tensor` between
+                                  # tensor-parallel regions (Megatron's), where seq_len divides; False: whole
         rules={name: ",".join(axes) for name, axes in DEFAULT_RULES.items()},  # logical axis -> mesh axes
     )
 

@@ -57,7 +57,7 @@ def advice(plan: Plan, config, limit_bytes: float) -> list[str]:
                      "offload.optimizer_state=True to keep it in host memory",
         "params": "zero_stage=3 or a larger mesh.fsdp / mesh.tensor splits parameters",
         "temp": f"model.remat=full (now {config.model.remat}), a larger train.grad_accum_steps "
-                f"(now {config.train.grad_accum_steps}) or mesh.tensor with sharding.sequence_parallel=True "
+                f"(now {config.train.grad_accum_steps}) or mesh.tensor (sequence parallel by default) "
                 "shrink activations",
     }
     return lines + [f"  - {help_for[k]}" for k in order[:3]]

@@ -235,8 +235,13 @@ def rules_from_config(config, sizes: Mapping[str, int]) -> tuple[dict[str, tuple
     for name, text in config.sharding.rules.items():
         rules[name] = tuple(a.strip() for a in text.split(",") if a.strip())
     notes = []
-    if config.sharding.sequence_parallel and "tensor" not in rules["length"]:
-        rules["length"] = rules["length"] + ("tensor",)
+    if config.sharding.sequence_parallel and sizes.get("tensor", 1) > 1 and "tensor" not in rules["length"]:
+        length = rules["length"] + ("tensor",)
+        if config.train.seq_len % split_ways(length, sizes)[0] == 0:
+            rules["length"] = length
+        else:
+            notes.append(f"train.seq_len={config.train.seq_len} does not divide over {length}: norms and residuals "
+                         "stay whole along length over tensor (sharding.sequence_parallel)")
     parts, axes = split_ways(rules["vocab"], sizes)
     if config.model.vocab_size % parts:
         rules["vocab"] = rules["act_vocab"] = ()

@@ -41,7 +41,7 @@ LAYOUTS = {  # name -> (config file, overrides); tiny.py computes in float32 on 
     "data2_fsdp4": ["mesh.data=2", "mesh.fsdp=4"],
     "mixed": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "zero_stage=1"],
     "pipeline2_fsdp2": ["mesh.data=2", "mesh.pipeline=2", "mesh.fsdp=2", "model.num_layers=4"],
-    "tensor4": TENSOR4, "tensor4_sp": [*TENSOR4, "sharding.sequence_parallel=True"],
+    "tensor4": [*TENSOR4, "sharding.sequence_parallel=False"], "tensor4_sp": TENSOR4,
     "sequence4_ring": SEQUENCE4, "sequence4_all_gather": [*SEQUENCE4, "model.attention.context_parallel='all_gather'"],
     "pipeline2_gpipe": PIPELINE2,
     "pipeline2_circular": [*PIPELINE2, "pipeline.schedule=circular", "pipeline.virtual_stages=2"],

@@ -47,6 +47,12 @@ def test_config_rules_sequence_parallel_and_kv_replication():
     rules, notes = rules_from_config(config, sizes)
     assert rules["embed"] == ("fsdp", "data") and rules["length"] == ("sequence", "tensor")
     assert "tensor" not in rules["kv_heads"] and "replicated" in notes[0]
+    # On by default; where seq_len does not divide over tensor it stays off, and a note says so.
+    config = defaults()
+    config.train.seq_len = 66
+    rules, notes = rules_from_config(config, sizes)
+    assert rules["length"] == ("sequence",) and "train.seq_len=66 does not divide" in notes[0]
+    assert rules_from_config(config, {**sizes, "tensor": 1})[0]["length"] == ("sequence",)  # no tensor axis: off
 
 
 # kv heads divisible by tensor=4: these layouts use the default rules, which (unlike a config's,

@@ -112,7 +112,7 @@ TENSOR4 = ["mesh.data=2", "mesh.tensor=4", "model.num_kv_heads=4"]
 TPU_LAYOUTS = {"data8": ["mesh.data=8"], "zero2": ["mesh.data=8", "zero_stage=2"],
                "zero2_accum4": ["mesh.data=8", "zero_stage=2", "train.global_batch_size=32",
                                 "train.grad_accum_steps=4"],
-               "tensor4": TENSOR4, "tensor4_sp": [*TENSOR4, "sharding.sequence_parallel=True"],
+               "tensor4": [*TENSOR4, "sharding.sequence_parallel=False"], "tensor4_sp": TENSOR4,
                "pipeline2_gpipe": ["mesh.data=4", "mesh.pipeline=2", "model.num_layers=4", "pipeline.schedule=gpipe",
                                    "pipeline.microbatches=4", "train.global_batch_size=16"]}
 
@@ -223,13 +223,16 @@ def test_on_tpu_attention_is_the_splash_kernel_on_each_chips_rows_and_heads():
     """`auto` takes JAX's Pallas splash kernel on TPU, packed documents included. Under data x
     tensor it runs in shard_map on each chip's rows and heads: its forward, dQ and dK/dV kernels
     are in the compiled step, and the step's collectives are exactly those of the blockwise
-    kernel (nothing gathered or reduced for the kernel's sake)."""
+    kernel (nothing gathered or reduced for the kernel's sake). Without sequence parallelism: with
+    it (the default) the splash step gathers less than the blockwise one (36 against 67
+    all-gathers, 10.6 against 11.3 MB, measured)."""
     devices, _ = topology.compile_only_devices("v5e-8")
     compiled = {}
     for impl in ("auto", "xla"):
         config = config_lib.load(str(ROOT / "configs" / "tiny.py"))
         config_lib.apply_overrides(config, ["train.seq_len=1024", "train.global_batch_size=8", "mesh.data=4",
-                                            "mesh.tensor=2", "data.document_mask=True", f"model.attention.impl={impl}"])
+                                            "mesh.tensor=2", "data.document_mask=True", f"model.attention.impl={impl}",
+                                            "sharding.sequence_parallel=False"])
         run, compiled[impl], _ = plan_lib.compile_plan(config, "tpu", devices)
         assert run.model.spec.attention_impl == ("splash" if impl == "auto" else "xla")
     hlo = compiled["auto"].as_text()
