@@ -42,12 +42,13 @@ class Trainer:
 
     @classmethod
     def from_hf(cls, hf_dir: str | Path, workdir: str | Path | None = None, config=None, **kwargs) -> Trainer:
-        """Fine-tune a Hugging Face Llama or GPT-2 checkpoint: its weights are converted once into
+        """Fine-tune a Hugging Face checkpoint of any family jaxscale imports (docs/models.md):
+        checkpoint.init_from=hf_dir (convert.start_from_hf): its weights are converted once into
         WORKDIR/hf_import (parameters only) and the run starts from them with a fresh optimizer;
         a workdir that already has checkpoints resumes them instead. WORKDIR defaults to
-        runs/<name of hf_dir>. `config` (default: the defaults) gets the model's shape, the HF
-        dir's tokenizer.json if it has one, and for a GPT-2 a train.seq_len no longer than its
-        positions (lowered with a printed note)."""
+        runs/<name of hf_dir>. `config` (default: the defaults; LoRA, preference tuning and the
+        rest as it sets them) gets the model's shape, the HF dir's tokenizer.json if it has one,
+        and for a GPT-2 a train.seq_len no longer than its positions (lowered with a printed note)."""
         from jaxscale import config as config_lib
         from jaxscale import convert
 
