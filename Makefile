@@ -50,7 +50,7 @@ lint: $(TEST_STAMP)
 # Compiled programs are cached per session.
 # Tests marked serial measure contention between processes and run alone afterwards.
 test: lint $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -n 3 --dist loadfile -m "not serial" tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not serial" tests
 	$(BIN)/python -m pytest -q -m serial tests
 
 clean:
