@@ -13,7 +13,7 @@ from jaxscale import config as config_lib
 from jaxscale.analysis.step_plan import compile_plan, describe
 from jaxscale.errors import ConfigError
 from jaxscale.models import lora
-from jaxscale.models.transformer import model_from_config
+from jaxscale.models.language_model import model_from_config
 from jaxscale.validate import validate
 
 # fsdp=4 x tensor=2: how many ways each logical axis of an adapter is split.

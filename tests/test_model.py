@@ -213,7 +213,7 @@ def test_a_layer_pattern_gives_each_layer_its_kind_in_every_loop():
 def test_layer_loop_auto_unrolls_small_models_on_one_cpu_device(platform, devices, layers, scan):
     from types import SimpleNamespace
 
-    from jaxscale.models.transformer import _one_cpu_device, resolve_layer_loop
+    from jaxscale.models.language_model import _one_cpu_device, resolve_layer_loop
 
     one_cpu = _one_cpu_device(platform, SimpleNamespace(mesh=SimpleNamespace(size=devices)))
     assert one_cpu == (platform == "cpu" and devices == 1)  # the CPU formulations (models.matmul) too
