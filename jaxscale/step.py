@@ -50,6 +50,12 @@ class StepSpec:
         return self.model.spec.dtype
 
     @property
+    def stat_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The metrics the loss reports beside `loss`: the model's statistics and, under preference
+        tuning, its rewards (preference.METRICS)."""
+        return {**self.model.stat_shapes, **self.preference.metric_shapes}
+
+    @property
     def keeps_reference(self) -> bool:
         """Whether the state's frozen `base` is a copy of the starting parameters (preference.keeps_copy)."""
         return preference.keeps_copy(self.preference, self.model)
@@ -89,14 +95,18 @@ def loss_fn(params: dict, batch: Batch, spec: StepSpec, count=None, base=None) -
     tuning, the loss of the batch's pairs (jaxscale.preference) against the frozen reference."""
     weights = lora.merge(params, base) if base else params
     if spec.preference.on:
-        return preference.loss(spec.preference, spec.model, weights, reference(params, base), batch)
+        return preference.loss(spec.preference, spec.model, weights, reference(params, base, spec), batch)
+    return _lm_loss(weights, batch, spec, count)
+
+
+def _lm_loss(weights: dict, batch: Batch, spec: StepSpec, count=None) -> tuple[jax.Array, dict]:
     return spec.model.loss(weights, batch["inputs"], batch["targets"], batch.get("segments"), count)
 
 
-def reference(params: dict, base: dict) -> dict:
+def reference(params: dict, base: dict, spec: StepSpec) -> dict:
     """The model a preference loss compares against, the one the run started from: the LoRA base
-    without its adapters (zero), else the starting parameters the state keeps frozen (`base`)."""
-    if not base or not lora.split(params)[0]:
+    with its adapters at zero, else the starting parameters the state keeps frozen (`base`)."""
+    if not spec.model.spec.lora.on:
         return base
     return lora.merge(jax.tree.map(jnp.zeros_like, params), base)
 
@@ -116,8 +126,7 @@ def _grad_fn(spec: StepSpec, count=None, base=None):
 def _accumulate(params, batch: Batch, spec: StepSpec, grad_shardings=None, count=None, base=None):
     """Mean (metrics, grads) over spec.accum_steps microbatches, summed in float32. With
     `grad_shardings`, each microbatch's gradients and the running sum are kept there."""
-    grad_fn = _grad_fn(spec, count, base)
-    shapes = {"loss": (), **spec.model.stat_shapes, **spec.preference.metric_shapes}
+    grad_fn, shapes = _grad_fn(spec, count, base), {"loss": (), **spec.stat_shapes}
 
     def place(grads):
         return grads if grad_shardings is None else jax.lax.with_sharding_constraint(grads, grad_shardings)
@@ -220,8 +229,7 @@ def jit_eval_step(spec: StepSpec):
 
     def fn(params, batch):
         batch, count = trained(batch)
-        weights = on_device(params, params_shardings)
-        return spec.model.loss(weights, batch["inputs"], batch["targets"], batch.get("segments"), count)[1]["loss"]
+        return _lm_loss(on_device(params, params_shardings), batch, spec, count)[1]["loss"]
 
     replicated = NamedSharding(spec.layout.mesh, P())
     return jax.jit(fn, in_shardings=(params_shardings, spec.layout.batch_sharding()), out_shardings=replicated,

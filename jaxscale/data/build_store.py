@@ -42,7 +42,7 @@ def _tokenizer_spec(spec: str) -> str:
 
 
 def plan(inputs: str, tokenizer: Tokenizer, spec: str, text_field: str, unit_bytes: int,
-         chat_settings: dict | None = None) -> tuple[dict, list]:
+         chat_settings: dict) -> tuple[dict, list]:
     """(the store's manifest before any shard is written, its units of work, one per shard).
     Chat records (jaxscale.data.chat) are rendered with chat_settings ({'template', 'train_on'})
     and stored with their loss mask, one shard per file."""
@@ -67,7 +67,7 @@ def plan(inputs: str, tokenizer: Tokenizer, spec: str, text_field: str, unit_byt
                    for p, s in zip(paths, stats)],
         "shards": [dict(zip(PLAN_KEYS, (store.shard_name(i), number, unit.kind, unit.start, unit.stop)))
                    for i, (number, unit) in enumerate(units)],
-        **({"chat": dict(chat_settings or {"template": "", "train_on": "assistant"})} if chats else {}),
+        **({"chat": dict(chat_settings)} if chats else {}),
     }
     return manifest, [unit for _, unit in units]
 

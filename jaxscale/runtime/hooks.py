@@ -20,7 +20,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxscale import preference
 from jaxscale import state as state_lib
 from jaxscale.analysis import mfu
 from jaxscale.runtime.session import Session
@@ -215,8 +214,7 @@ def _record(session: Session, step: int, m: dict, timing: dict) -> dict:
             "tokens": session.live.data_step * int(m["tokens"]), "tokens_per_sec": tokens_per_sec, **timing,
             "mfu": mfu.mfu(tokens_per_sec, run.flops_per_token, run.layout.mesh.size, run.peak_tflops),
             "nonfinite_skips": int(m["nonfinite_skips"]), "spike_skips": int(m["spike_skips"]),
-            **{name: np.asarray(m[name]).tolist() for name in (*run.model.stat_shapes, *preference.METRICS)
-               if name in m},
+            **{name: np.asarray(m[name]).tolist() for name in run.step_spec.stat_shapes if name in m},
             **_trained(m, timing),
             **session.data.stats(session.live.data_step)}
 
