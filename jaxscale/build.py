@@ -29,7 +29,7 @@ from jaxscale.models import LanguageModel, model_from_config
 from jaxscale.offload import OffloadSpec, check_supported, to_device_kind
 from jaxscale.optim import make_optimizer
 from jaxscale.preference import PreferenceSpec
-from jaxscale.runtime import program_cache
+from jaxscale.runtime import program_cache, xla_flags
 from jaxscale.sharding import Layout, layout_from_config
 from jaxscale.state import TrainState
 from jaxscale.step import StepSpec, jit_eval_step, jit_train_step
@@ -127,7 +127,8 @@ def build(config, devices=None, platform: str | None = None) -> Run:
     guard, tuning = GuardSpec.from_config(config.guard), PreferenceSpec.from_config(config)
     abstract, shardings = state_lib.abstract(model, tx, layout, guard, offload, preference.keeps_copy(tuning, model))
     spec = StepSpec(model, tx, schedule, layout, shardings, config.train.grad_accum_steps, guard,
-                    determinism.compiler_options(config, platform), tuning)
+                    determinism.compiler_options(config, platform) + xla_flags.compiler_options(config.xla, platform),
+                    tuning)
     n = mfu.active_params(abstract.weights, model.spec)
     frozen = mfu.active_params(abstract.base, model.spec) if model.spec.lora.on else 0
     flops = mfu.flops_per_token(model.spec, n, config.train.seq_len, frozen, reference=tuning.needs_reference)

@@ -243,6 +243,7 @@ def _add_operations(c: ml_collections.ConfigDict) -> None:
     )
     c.xla = dict(
         gpu_defaults=True,     # set jaxscale's XLA flags on NVIDIA GPUs (jaxscale/runtime/xla_flags.py); yours win
+        tpu_defaults=True,     # compile TPU steps with the compiler's continuation fusions (same file); yours win
         cpu_defaults=True,     # on the CPU, glibc malloc keeps XLA:CPU's step buffers (jaxscale/runtime/cpu_malloc.py);
                                # any MALLOC_* you set wins
         compile_cache=True,    # a second start skips compiling (runtime/jax_cache.py) and tracing

@@ -21,7 +21,8 @@ import sys
 import jax
 
 from jaxscale import cli
-from jaxscale.analysis import hlo_stats, topology
+from jaxscale.analysis import cost, hlo_stats, machines, overlap, topology
+from jaxscale.analysis.cost import Machine
 from jaxscale.analysis.plan_types import ByAxis, Plan, TopologySummary, to_json
 from jaxscale.analysis.step_plan import compile_plan, describe
 from jaxscale.errors import ConfigError, RunError
@@ -38,6 +39,17 @@ GIB = 2**30
 def plan_for(config, platform: str | None = None, devices=None) -> Plan:
     """The plan (see the module docstring) over `devices` (default: all)."""
     return describe(config, *compile_plan(config, platform or jax.default_backend(), devices))
+
+
+def priced(plan: Plan, machine: Machine | None, dcn: dict[str, int] | None = None) -> Plan:
+    """`plan` with its overlap's hidden and exposed bytes on `machine` and the step-time model's
+    prediction there (unchanged without one)."""
+    if machine is None:
+        return plan
+    def link(axes: str) -> float:
+        return cost.link_speed(machine, axes, plan.mesh, dcn or {})
+    return dataclasses.replace(plan, overlap=overlap.by_axis(plan.windows, machine, link),
+                               predicted=cost.predict(plan.work, machine, dcn))
 
 
 def make_plan(config, platform: str | None = None, devices=None) -> dict:
@@ -109,6 +121,9 @@ def table(plan: Plan) -> str:
                 "formula" + ("" if flops.ratio is None else f" (ratio {flops.ratio:.2f})"))
     rows.append("collectives per step:\n" + hlo_stats.summarize(to_json(plan.collectives)))
     rows.append(_by_axis_table(plan.collectives_by_axis))
+    rows.append(_overlap_table(plan))
+    if plan.predicted is not None:
+        rows.append(_prediction_line(plan))
     rows += [f"note: {note}" for note in plan.notes]
     return "\n".join(rows)
 
@@ -121,6 +136,34 @@ def _by_axis_table(by_axis: ByAxis) -> str:
     return "\n".join(rows)
 
 
+def _overlap_table(plan: Plan) -> str:
+    """What the schedule runs beside each axis group's collectives, and on a named target how
+    much of them that hides."""
+    priced = plan.topology is not None
+    rows = ["overlap (the compiled schedule: matmuls between each asynchronous collective's start and done)"
+            + ("" if priced else "; hidden and exposed bytes need a target's rates: --topology"),
+            f"{'over':<20}{'MiB sent':>12}{'async':>8}{'TFLOP beside':>14}"
+            + (f"{'hidden':>8}{'MiB exposed':>14}" if priced else "")]
+    for axes, row in plan.overlap.items():
+        line = (f"{axes:<20}{row.sent_bytes / 2**20:>12.1f}{_share(row.async_bytes, row.sent_bytes):>8}"
+                f"{row.flops_beside / 1e12:>14.3f}")
+        if priced and row.hidden_bytes is not None:
+            line += f"{_share(row.hidden_bytes, row.sent_bytes):>8}{row.exposed_bytes / 2**20:>14.1f}"
+        rows.append(line)
+    return "\n".join(rows)
+
+
+def _prediction_line(plan: Plan) -> str:
+    p, ms = plan.predicted, 1e3
+    return (f"predicted step on {plan.topology.name}: {p.step_s * ms:,.1f} ms (matmuls {p.compute_s * ms:,.1f}, "
+            f"memory {p.memory_s * ms:,.1f}, collectives hidden {p.hidden_s * ms:,.1f} and exposed "
+            f"{p.exposed_s * ms:,.1f} ms; jaxscale/analysis/cost.py at datasheet rates)")
+
+
+def _share(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.0f}%" if whole else "-"
+
+
 def _device_limit(flag: float | None) -> float | None:
     if flag:
         return flag * GIB
@@ -128,10 +171,10 @@ def _device_limit(flag: float | None) -> float | None:
     return stats.get("bytes_limit")
 
 
-def _target(flags: dict) -> tuple[str | None, list | None, float | None, TopologySummary | None]:
-    """(platform, devices, memory limit per device, topology summary) the flags ask to plan for."""
+def _target(flags: dict) -> tuple[str | None, list | None, float | None, TopologySummary | None, Machine | None]:
+    """(platform, devices, memory limit per device, topology summary, its machine) the flags ask to plan for."""
     if not flags.get("topology"):
-        return flags.get("platform"), None, _device_limit(flags.get("device_memory_gb")), None
+        return flags.get("platform"), None, _device_limit(flags.get("device_memory_gb")), None, None
     platform = topology.parse(flags["topology"]).platform
     if flags.get("platform") not in (None, platform):
         raise ConfigError("--platform", flags["platform"], f"--topology plans for {platform}; drop one of the two")
@@ -140,19 +183,19 @@ def _target(flags: dict) -> tuple[str | None, list | None, float | None, Topolog
     # store them and then fail (a warning) to read them back.
     jax.config.update("jax_enable_compilation_cache", False)
     limit = flags["device_memory_gb"] * GIB if flags.get("device_memory_gb") else topology.hbm_per_device(pod, devices)
-    return platform, devices, limit, TopologySummary(pod.name, pod.slices, pod.chips, len(devices),
-                                                     devices[0].device_kind)
+    summary = TopologySummary(pod.name, pod.slices, pod.chips, len(devices), devices[0].device_kind)
+    return platform, devices, limit, summary, machines.for_pod(pod, devices)
 
 
 def _plan(config, path: str, flags: dict) -> None:
     if flags.get("search"):
         return _search(config, path, flags)
-    platform, devices, limit, pod = _target(flags)
+    platform, devices, limit, pod, machine = _target(flags)
     run, compiled, seconds = _compile(config, platform or jax.default_backend(), devices)
     if flags.get("hlo"):  # the compiled step's HLO, as the compiler optimised it
         with open(flags["hlo"], "w") as file:
             file.write(compiled.as_text())
-    result = dataclasses.replace(describe(config, run, compiled, seconds), topology=pod)
+    result = priced(dataclasses.replace(describe(config, run, compiled, seconds), topology=pod), machine)
     if limit:
         result = dataclasses.replace(result, memory_limit_bytes=limit, fits=result.per_device_bytes.total <= limit)
     warnings = advice(result, config, limit) if limit and not result.fits else []
@@ -179,7 +222,7 @@ def _compile(config, platform: str, devices):
 def search_target(topology_name: str | None = None, memory_gb: float | None = None, devices=None):
     """The search's Target: a named topology (its datasheet), or this host's `devices` (default:
     all; measured)."""
-    from jaxscale.analysis import machines, search
+    from jaxscale.analysis import search
     from jaxscale.mesh import granule_count
 
     if topology_name:

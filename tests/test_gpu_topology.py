@@ -84,12 +84,18 @@ def test_zero2_on_eight_h100s_reduce_scatters_its_gradients(gpu_plans):
 def test_fsdp_on_eight_h100s_gathers_weights_and_reduce_scatters_gradients(gpu_plans):
     """FSDP as the CPU spec has it (tests/test_plan.py, fsdp8), from the GPU compiler: weights
     all-gathered (the head's chunks twice), gradients reduce-scattered, the embedding's rows
-    exchanged by all-to-all (measured: 0.94 W, 0.875 W and 1.75 A)."""
+    exchanged by all-to-all (measured: 0.94 W, 0.875 W and 1.75 A). Compiled with jaxscale's
+    GPU flags, as a GPU run is, the schedule sends 0.48 of those bytes beside matmuls (0.24
+    with XLA's own flags): too few FLOPs at this size to hide more than a sliver of them."""
     plan = _plan(gpu_plans, "fsdp")
     config = cli.load_config(str(ROOT / "configs" / "tiny.py"), FSDP)
     spec = {("all-gather", "fsdp"): lambda s: 7 / 8 * (s.w + s.t), ("reduce-scatter", "fsdp"): lambda s: 7 / 8 * s.w,
             ("all-to-all", "fsdp"): lambda s: 2 * 7 / 8 * s.a}
     assert_sends(plan, spec, Sizes.of(config, plan))
+    row = plan["overlap"]["fsdp"]
+    assert row["async_bytes"] > 0.4 * row["sent_bytes"] and row["flops_beside"] > 0
+    assert 0 < row["hidden_bytes"] < row["exposed_bytes"]
+    assert row["hidden_bytes"] + row["exposed_bytes"] == pytest.approx(row["sent_bytes"])
 
 
 def test_without_the_cuda_plugin_the_error_says_what_to_install():

@@ -91,6 +91,22 @@ def test_gpu_defaults_leave_the_users_flags_alone():
     assert xla_flags.apply_gpu_defaults(defaults().xla, env) == [] and "XLA_FLAGS" not in env
 
 
+def test_the_steps_compile_with_the_platforms_defaults_but_not_over_the_users():
+    """The train and eval steps carry the defaults as compiler options (so a plan for a TPU or GPU
+    target compiles what a run there does); a flag the user set in LIBTPU_INIT_ARGS or XLA_FLAGS,
+    or the config's off switch, leaves them out."""
+    xla = defaults().xla
+    tpu = dict(xla_flags.compiler_options(xla, "tpu", {}))
+    assert tpu == xla_flags.TPU_OPTIONS and xla_flags.compiler_options(xla, "cpu", {}) == ()
+    mine = {"LIBTPU_INIT_ARGS": "--xla_enable_async_all_gather=false"}
+    assert "xla_enable_async_all_gather" not in dict(xla_flags.compiler_options(xla, "tpu", mine))
+    gpu = dict(xla_flags.compiler_options(xla, "gpu", {"XLA_FLAGS": "--xla_gpu_enable_pipelined_all_gather=false"}))
+    assert gpu["xla_gpu_enable_latency_hiding_scheduler"] is True and "xla_gpu_enable_pipelined_all_gather" not in gpu
+    assert gpu["xla_gpu_all_reduce_combine_threshold_bytes"] == 128 * 2**20
+    xla.tpu_defaults = xla.gpu_defaults = False
+    assert xla_flags.compiler_options(xla, "tpu", {}) == () == xla_flags.compiler_options(xla, "gpu", {})
+
+
 @pytest.mark.parametrize("extra, accepted", [("", True), ("--xla_gpu_no_such_flag=true", False)])
 def test_the_installed_xla_knows_every_gpu_default(extra, accepted):
     """XLA aborts on an unknown flag; its CPU build parses the GPU flags too, so a jax upgrade that

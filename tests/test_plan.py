@@ -273,7 +273,7 @@ def test_advice_names_the_biggest_contributor(plans):
 
 JSON_KEYS = ["mesh", "zero_stage", "remat", "pipeline", "platform", "compute_dtype", "num_params", "compile_s",
              "per_device_bytes", "argument_bytes", "compiled_bytes", "host_bytes", "expected_bytes", "collectives",
-             "collectives_by_axis", "flops", "expected", "notes", "frozen"]
+             "collectives_by_axis", "flops", "expected", "overlap", "windows", "notes", "frozen"]
 
 
 def test_the_plans_json_has_the_keys_it_always_had(plans):
@@ -289,6 +289,14 @@ def test_the_plans_json_has_the_keys_it_always_had(plans):
     assert rows["total"] == sum(list(rows.values())[:5]) + rows["frozen"] and rows["frozen"] == 0
     assert list(flat["collectives_by_axis"]["all-reduce"]["data"]) == ["count", "bytes", "sent_bytes"]
     assert list(flat["expected"]) == ["dot_flops", "collectives_by_axis"] and isinstance(flat["notes"], list)
+    # Without a target's rates the overlap has no hidden and exposed bytes; its bytes are the
+    # expected run's, and on XLA:CPU every collective blocks.
+    assert list(flat["overlap"]["data"]) == ["sent_bytes", "async_bytes", "flops_beside"]
+    for plan in (flat, pipelined):
+        for axes, row in plan["overlap"].items():
+            sent = sum(over[axes]["sent_bytes"] for over in plan["expected"]["collectives_by_axis"].values()
+                       if axes in over)
+            assert row["sent_bytes"] == pytest.approx(sent) and row["async_bytes"] == 0, axes
     assert "pipeline: gpipe, 2 stages" in table(plans["pipeline2_gpipe"])
 
 

@@ -11,17 +11,17 @@
 - memory: what is bound by memory bandwidth rather than matmuls: the optimizer's update, three
   passes over the state's bytes (read parameters and moments, write them back), and the step's
   temporaries (saved activations, gradients) written once and read once;
-- collectives: for each mesh axis group, the bytes each device sends (ring arithmetic, from the
-  compiled HLO) over the slowest link the group crosses, plus a latency per collective; a
-  conditional's collectives count by its branches' share (a pipeline executor runs one of its
-  idle, forward, backward and weight-gradient branches a tick).
-  Collectives over data, fsdp and pipeline (weight gathers, gradient reductions, stage sends)
-  run beside compute under XLA's latency-hiding scheduler: their time counts only past the
-  compute's. Collectives over tensor, sequence and expert sit between the matmuls that need
-  them and are exposed. Where several virtual devices share one host's cores (CPU), nothing
-  overlaps and the devices' work adds up: the work each runs (a pipeline's idle ticks free the
-  cores, so no bubble), and a collective's latency is what its rendezvous of the devices' threads
-  costs inside a program.
+- collectives: each one's bytes per device (ring arithmetic, from the compiled HLO) over the
+  slowest link its mesh axes cross, plus a latency. A compiled step's are priced as its schedule
+  runs them (jaxscale.analysis.overlap): each hides behind the matmuls scheduled between its
+  start and its done, and only the rest is exposed; a conditional's count by its branches' share
+  (a pipeline executor runs one of its idle, forward, backward and weight-gradient branches a
+  tick). An estimate (no program yet) takes those over data, fsdp and pipeline (weight gathers,
+  gradient reductions, stage sends) as hidden and those over tensor, sequence and expert as
+  exposed. Where several virtual devices share one host's cores (CPU), nothing overlaps and the
+  devices' work adds up: the work each runs (a pipeline's idle ticks free the cores, so no
+  bubble), and a collective's latency is what its rendezvous of the devices' threads costs
+  inside a program.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxscale.analysis import overlap
 from jaxscale.analysis.plan_types import StepWork
 
 OVERLAPPED = frozenset({"data", "fsdp", "pipeline"})
@@ -103,18 +104,40 @@ def predict(work: StepWork, machine: Machine, dcn: dict[str, int] | None = None)
     compute = devices * matmul_flops(work, machine.shared_cores) / (machine.peak_flops * machine.efficiency) / idle
     rows = work.per_device_bytes
     memory = devices * (3 * (rows.params + rows.opt_state) + 2 * rows.temp) / machine.memory_bandwidth
+    if work.windows is not None:
+        by_axis, hidden, exposed = _scheduled(work, machine, dcn)
+    else:
+        by_axis, hidden, exposed = _by_rule(work, machine, dcn)
+    if machine.shared_cores:
+        step = compute + memory + hidden + exposed
+    else:
+        step = max(compute, hidden) + memory + exposed
+    return Prediction(step, compute, memory, bubble, hidden, exposed, by_axis)
+
+
+def _scheduled(work: StepWork, machine: Machine, dcn: dict[str, int]) -> tuple[dict[str, float], float, float]:
+    """(seconds by mesh axes, hidden, exposed) of a compiled step's collectives as its schedule
+    runs them: each hides behind the matmuls scheduled beside it (jaxscale.analysis.overlap)."""
+    by_axis: dict[str, float] = {}
+    hidden = exposed = 0.0
+    for w in work.windows:
+        hides, takes = overlap.hidden_seconds(w, machine, link_speed(machine, w.axes, work.mesh, dcn))
+        by_axis[w.axes] = by_axis.get(w.axes, 0.0) + takes * w.runs
+        hidden += hides * w.runs
+        exposed += (takes - hides) * w.runs
+    return by_axis, hidden, exposed
+
+
+def _by_rule(work: StepWork, machine: Machine, dcn: dict[str, int]) -> tuple[dict[str, float], float, float]:
+    """(seconds by mesh axes, hidden, exposed) of an estimate's collectives: those over data, fsdp
+    and pipeline hidden, the rest exposed."""
     collectives = work.collectives_by_axis if work.expected is None else work.expected.collectives_by_axis
     by_axis: dict[str, float] = {}
     for over in collectives.values():
         for axes, row in over.items():
             if axes in ("", "none"):
                 continue
-            seconds = row.sent_bytes / link_speed(machine, axes, mesh, dcn) + row.count * machine.latency_s
+            seconds = row.sent_bytes / link_speed(machine, axes, work.mesh, dcn) + row.count * machine.latency_s
             by_axis[axes] = by_axis.get(axes, 0.0) + seconds
     hidden = sum(t for axes, t in by_axis.items() if set(axes.split("+")) <= OVERLAPPED)
-    exposed = sum(by_axis.values()) - hidden
-    if machine.shared_cores:
-        step = compute + memory + hidden + exposed
-    else:
-        step = max(compute, hidden) + memory + exposed
-    return Prediction(step, compute, memory, bubble, hidden, exposed, by_axis)
+    return by_axis, hidden, sum(by_axis.values()) - hidden

@@ -28,7 +28,10 @@ Counting rules (the contract every function here follows):
   directly in a name scope named in ``shares``, branch i shares[scope][i] times (a
   pipeline executor's switch, whose shares its schedule's table knows).
 * An instruction whose attributes break over lines (a Pallas kernel's metadata) is one line.
-* Async collectives count once, at their ``-start``; ``-done`` is skipped.
+* Async collectives count once, at their ``-start``; ``-done`` is skipped. The TPU
+  compiler's continuation fusions (``%async-collective-start.N``, then fusions calling
+  ``async_collective_fusion`` computations, then ``%async-collective-done.N``) each hold a
+  copy of one collective: it counts once, in the start.
 * Bytes are those of the collective's result buffers on one device, summed. A ragged
   all-to-all moves what the routing decides at run time, at most the smaller of its operand
   and its result (what a device holds to send, what it has room to receive): that bound is
@@ -37,7 +40,12 @@ Counting rules (the contract every function here follows):
   which mesh axes they span); a fused reduce-scatter takes its inner all-reduce's groups.
 * `dot_flops` counts 2 x (result elements) x (contracted elements) per ``dot``,
   under the same rules: a layer loop's matmuls count once per layer, and
-  rematerialised ones again (XLA's own cost analysis counts a loop body once).
+  rematerialised ones again (XLA's own cost analysis counts a loop body once). A
+  ``convolution``'s FLOPs (the TPU compiler's matmuls) are 2 x result elements x the
+  kernel's input features x the window taps that read the input, not its padding; they are
+  kept apart (`computation_totals`), for jaxscale.analysis.overlap.
+* Each computation also keeps its schedule: its collectives' starts and dones, blocking
+  collectives, matmuls and calls in the order they run (jaxscale.analysis.overlap reads it).
 """
 
 from __future__ import annotations
@@ -53,7 +61,7 @@ COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute
 
 Stats = dict[str, dict[str, int]]
 Shares = Mapping[str, Sequence[float]] | None  # {name scope: each branch's share} (module docstring)
-_AT = "@"  # a collective's key in a computation's totals: kind@device-groups
+AT = "@"  # a collective's key in a computation's totals: kind@device-groups
 
 # Quoted strings (metadata, backend_config JSON) and /*index=N*/ comments: both can
 # hold text that looks like shapes, opcodes or callee attributes.
@@ -75,6 +83,13 @@ _CALLEE_ATTR = re.compile(
 _CALLEE_NAME = re.compile(r"%?([^\s,{}%]+)")
 _BRANCH_ATTRS = ("true_computation", "false_computation", "branch_computations")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_TPU_START = re.compile(r"async-collective-start(\.\d+)?$")
+_TPU_DONE = re.compile(r"async-collective-done(\.\d+)?$")
+_TPU_STEP = re.compile(r"\bcalls=%?async_collective_fusion")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+_TWO_OPERANDS = re.compile(r"\s*[\w\-]+\(\s*(?:([a-z][a-z0-9]*\[[^\]]*\])\S*\s+)?%?([^\s,()]+)\s*,"
+                           r"\s*(?:([a-z][a-z0-9]*\[[^\]]*\])\S*\s+)?%?([^\s,()]+)")
+_DIM_LABELS = re.compile(r"dim_labels=([^_\s,]+)_([^-\s,]+)->([^\s,]+)")
 
 
 @dataclasses.dataclass
@@ -89,6 +104,13 @@ class _Computation:
     constants: dict[str, int] = dataclasses.field(default_factory=dict)  # integer scalar constants by name
     shapes: dict[str, str] = dataclasses.field(default_factory=dict)  # instruction name -> its shape text
     bound: int | None = None  # as a loop condition `counter < N`: N
+    # In schedule order (a compiled module is scheduled): what jaxscale.analysis.overlap reads.
+    # ("start", name, key, bytes) an asynchronous collective begins; ("done", start's name);
+    # ("sync", key, bytes) a collective that blocks; ("flops", n) a matmul; ("call", callee, runs).
+    events: list[tuple] = dataclasses.field(default_factory=list)
+    compute_only: set[str] = dataclasses.field(default_factory=set)  # callees whose collectives continue another
+    wrapped: set[str] = dataclasses.field(default_factory=set)  # callees an asynchronous start runs: its "start" event
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)  # an async update's name -> its start's
 
     def add(self, kind: str, nbytes: int) -> None:
         acc = self.own.setdefault(kind, [0, 0])
@@ -145,21 +167,16 @@ class StepTotals:
 def step_totals(hlo_text: str, expected: bool = False, shares: Shares = None) -> StepTotals:
     """Collectives (by kind and by device groups), unknown loops and matmul FLOPs from one parse;
     with `expected`, a conditional's branches weighted by their share (module docstring)."""
-    return _step_totals(*_parse_module(hlo_text, shares or {}), expected)
+    return module_totals(*parse_module(hlo_text, shares or {}), expected)
 
 
-def bound_and_expected(hlo_text: str, shares: Shares = None) -> tuple[StepTotals, StepTotals]:
-    """`step_totals` with every branch counted, and with the expected branch, from one parse."""
-    computations, entry = _parse_module(hlo_text, shares or {})
-    return _step_totals(computations, entry, False), _step_totals(computations, entry, True)
-
-
-def _step_totals(computations: dict[str, _Computation], entry: str, expected: bool) -> StepTotals:
+def module_totals(computations: dict[str, _Computation], entry: str, expected: bool) -> StepTotals:
+    """`step_totals` of a `parse_module` result (parse once, read both ways)."""
     memo: dict[str, dict[str, list[int]]] = {}
     totals = _totals(entry, computations, memo, set(), expected)
     # memo holds exactly the computations reachable from ENTRY.
     unknown = sum(computations[name].unknown_loops for name in memo)
-    by_groups = {tuple(key.split(_AT, 1)): acc for key, acc in totals.items() if _AT in key}
+    by_groups = {tuple(key.split(AT, 1)): acc for key, acc in totals.items() if AT in key}
     stats = {kind: {"count": 0, "bytes": 0} for kind in COLLECTIVES}
     for (kind, _), (count, nbytes) in by_groups.items():
         stats[kind]["count"] += count
@@ -185,7 +202,7 @@ def summarize(stats: Mapping[str, Mapping[str, int]]) -> str:
     return "\n".join(rows)
 
 
-def _parse_module(hlo_text: str, shares: Mapping[str, Sequence[float]]) -> tuple[dict[str, _Computation], str]:
+def parse_module(hlo_text: str, shares: Mapping[str, Sequence[float]]) -> tuple[dict[str, _Computation], str]:
     """Split the module into computations; returns them by name and the ENTRY's name."""
     computations: dict[str, _Computation] = {}
     entry: str | None = None
@@ -259,15 +276,17 @@ def _parse_instruction(line: str, computation: _Computation, computations: dict[
     opcode = op.group(1)
     computation.shapes[head.group(2)] = shape
     _note_loop_bound(computation, head, opcode, rest)
-    if opcode == "dot":
-        computation.add("dot", _dot_flops(shape, rest, computation.shapes))
-        return
-    if opcode == "convolution":
-        computation.add("convolution", 0)
+    name = head.group(2)
+    if opcode in ("dot", "convolution"):
+        flops = (_dot_flops if opcode == "dot" else _convolution_flops)(shape, rest, computation.shapes)
+        computation.add(opcode, flops)
+        computation.events.append(("flops", flops))
         return
     kind = opcode.removesuffix("-start")
     if opcode == "fusion" and _FUSED_REDUCE_SCATTER.search(rest):
-        computation.add("reduce-scatter" + _AT + _fused_groups(rest, computations), _result_bytes(opcode, shape))
+        key, nbytes = "reduce-scatter" + AT + _fused_groups(rest, computations), _result_bytes(opcode, shape)
+        computation.add(key, nbytes)
+        computation.events.append(("sync", key, nbytes))
         return
     if kind in COLLECTIVES:
         # Callees of a collective are reduction lambdas, or (for async wrappers)
@@ -275,25 +294,57 @@ def _parse_instruction(line: str, computation: _Computation, computations: dict[
         nbytes = _result_bytes(opcode, shape)
         if kind == "ragged-all-to-all":
             nbytes = min(nbytes, _operand_bytes(rest, computation.shapes))
-        computation.add(kind + _AT + device_groups.spec(rest), nbytes)
+        key = kind + AT + device_groups.spec(rest)
+        computation.add(key, nbytes)
+        computation.events.append(("start", name, key, nbytes) if opcode.endswith("-start") else ("sync", key, nbytes))
         return
     if opcode.endswith(("-done", "-update")):
-        return  # the matching -start already accounted for the work
+        # the matching -start already accounted for the work; an update stands for its start
+        first = _FIRST_OPERAND.match(rest)
+        start = computation.aliases.get(first.group(2), first.group(2)) if first else ""
+        if opcode.endswith("-done"):
+            computation.events.append(("done", start))
+        else:
+            computation.aliases[name] = start
+        return
     trip = _trip_count(line) if opcode == "while" else None
     if opcode == "while" and trip is None:
         callees = dict(_CALLEE_ATTR.findall(rest))
         computation.loops.append((_CALLEE_NAME.findall(callees["body"])[0],
                                   _CALLEE_NAME.findall(callees["condition"])[0]))
         return
-    computation.calls.extend(_callees(rest, trip, _scoped_shares(line, shares) if opcode == "conditional" else None))
+    callees = list(_callees(rest, trip, _scoped_shares(line, shares) if opcode == "conditional" else None))
+    computation.calls.extend(callees)
+    _note_async(computation, name, opcode, rest, callees, computations)
+
+
+def _note_async(computation: _Computation, name: str, opcode: str, rest: str, callees: list,
+                computations: dict[str, _Computation]) -> None:
+    """The schedule events of an instruction that calls computations: an asynchronous wrapper
+    (`async-start`; its `async-done` is read as any -done), a link of the TPU compiler's
+    continuation fusions (a chain that begins in `%async-collective-start.N`, steps on inside
+    `async_collective_fusion` computations beside their compute and ends in
+    `%async-collective-done.N`, each holding a copy of the collective, counted once, at its
+    start), or a plain call."""
+    if _TPU_DONE.match(name) or _TPU_STEP.search(rest):
+        computation.compute_only.update(callee for callee, _, _ in callees)
+    if _TPU_DONE.match(name):
+        computation.events.append(("done", name.replace("-done", "-start")))
+        return
+    wrapped = [key for callee, _, _ in callees for key in getattr(computations.get(callee), "own", {}) if AT in key]
+    if (opcode == "async-start" or _TPU_START.match(name)) and len(wrapped) == 1:
+        computation.events.append(("start", name, wrapped[0], computations[callees[0][0]].own[wrapped[0]][1]))
+        computation.wrapped.update(callee for callee, _, _ in callees)
+        return
+    computation.events.extend(("call", callee, runs * share) for callee, runs, share in callees)
 
 
 def _fused_groups(rest: str, computations: dict[str, _Computation]) -> str:
     """The device groups of the all-reduce inside a fused reduce-scatter (HLO text defines a
     callee before its callers); "" when it cannot be found."""
     callee = computations.get(_CALLEE_NAME.findall(dict(_CALLEE_ATTR.findall(rest))["calls"])[0])
-    keys = [key for key in (callee.own if callee else {}) if key.startswith("all-reduce" + _AT)]
-    return keys[0].split(_AT, 1)[1] if keys else ""
+    keys = [key for key in (callee.own if callee else {}) if key.startswith("all-reduce" + AT)]
+    return keys[0].split(AT, 1)[1] if keys else ""
 
 
 def _dot_flops(shape: str, rest: str, shapes: dict[str, str]) -> int:
@@ -306,6 +357,53 @@ def _dot_flops(shape: str, rest: str, shapes: dict[str, str]) -> int:
     contracted = math.prod(dims[int(i)] for i in contracting.group(1).split(",") if i)
     result = math.prod(_dimension(d) for d in _ARRAY.findall(shape)[0][1].split(",") if d.strip())
     return 2 * result * contracted
+
+
+def _convolution_flops(shape: str, rest: str, shapes: dict[str, str]) -> int:
+    """2 x result elements x the multiply-adds each takes: the kernel's input features times the
+    window taps that land inside the (padded, strided) input; 0 when an operand's shape is unknown.
+    The TPU compiler writes matmuls as convolutions, padding a window to batch over a dimension."""
+    labels, operands = _DIM_LABELS.search(rest), _TWO_OPERANDS.match(rest)
+    if labels is None or operands is None:
+        return 0
+    lhs, rhs = (_ARRAY.findall(operands.group(i) or shapes.get(operands.group(i + 1), "")) for i in (1, 3))
+    out = _ARRAY.findall(shape)
+    if not lhs or not rhs or not out:
+        return 0
+    lhs_dims, rhs_dims, out_dims = ([_dimension(d) for d in a[0][1].split(",") if d.strip()] for a in (lhs, rhs, out))
+    lhs_labels, rhs_labels, out_labels = labels.groups()
+    window = _window(rest)
+    macs = float(rhs_dims[rhs_labels.index("i")])
+    for d, size in enumerate(window.get("size", [])):
+        n, m = lhs_dims[lhs_labels.index(str(d))], out_dims[out_labels.index(str(d))]
+        pad = window["pad"][d] if "pad" in window else (0, 0)
+        taps = _taps_inside(n, m, size, pad[0], window.get("stride", [1] * len(window["size"]))[d],
+                            window.get("rhs_dilate", [1] * len(window["size"]))[d])
+        macs *= taps / m / window.get("lhs_dilate", [1] * len(window["size"]))[d]
+    return round(2 * math.prod(out_dims) * macs)
+
+
+def _window(rest: str) -> dict[str, list]:
+    """A convolution's window attributes: size, stride, lhs_dilate, rhs_dilate as lists of ints per
+    spatial dimension, pad as (low, high) pairs."""
+    match = _WINDOW.search(rest)
+    result: dict[str, list] = {}
+    for item in (match.group(1).split() if match else []):
+        key, _, value = item.partition("=")
+        parts = value.split("x")
+        result[key] = [tuple(int(v) for v in p.split("_")) for p in parts] if key == "pad" else \
+            [int(p) for p in parts] if key != "rhs_reversal" else parts
+    return result
+
+
+def _taps_inside(n: int, m: int, k: int, low: int, stride: int, dilation: int) -> int:
+    """(output position, window tap) pairs of one spatial dimension that read the input, not its padding."""
+    total = 0
+    for t in range(k):
+        first = low - t * dilation            # o * stride must lie in [first, first + n - 1]
+        lo, hi = max(0, -(-first // stride)), min(m - 1, (first + n - 1) // stride)
+        total += max(0, hi - lo + 1)
+    return total
 
 
 def _note_loop_bound(computation: _Computation, head: re.Match, opcode: str, rest: str) -> None:
@@ -447,6 +545,14 @@ def _element_bits(dtype: str) -> int:
     return int(match.group(1))
 
 
+def computation_totals(name: str, computations: dict[str, _Computation], memo: dict, expected: bool = False
+                       ) -> dict[str, list[int]]:
+    """{kind: [count, bytes]} of one run of computation `name` of a `parse_module` result, callees
+    included; "dot" and "convolution" carry their FLOPs as bytes. `memo` is kept between calls of
+    one `expected`."""
+    return _totals(name, computations, memo, set(), expected)
+
+
 def _totals(name: str, computations: dict[str, _Computation], memo: dict[str, dict[str, list[int]]],
             active: set[str], expected: bool = False) -> dict[str, list[int]]:
     """{kind: [count, bytes]} for one run of computation `name`, callees included (with
@@ -465,7 +571,10 @@ def _totals(name: str, computations: dict[str, _Computation], memo: dict[str, di
     total = {kind: list(acc) for kind, acc in computations[name].own.items()}
     for callee, runs, share in computations[name].calls:
         runs = runs * share if expected else runs
+        continuation = callee in computations[name].compute_only  # its collective is counted at its start
         for kind, (count, nbytes) in _totals(callee, computations, memo, active, expected).items():
+            if continuation and AT in kind:
+                continue
             acc = total.setdefault(kind, [0, 0])
             acc[0] += runs * count
             acc[1] += runs * nbytes

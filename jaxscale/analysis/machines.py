@@ -26,6 +26,7 @@ from jaxscale.analysis.mfu import peak_tflops
 GPU_EFFICIENCY = 0.515     # llama_1b on one H200, 291 ms a step (benchmarks/search.py --calibrate)
 GPU_LATENCY_S = 20e-6      # NCCL's fixed cost a collective (assumed)
 TPU_LATENCY_S = 5e-6       # ICI's (assumed)
+HIDING = "collectives hidden by the matmuls their schedule runs beside them (estimates: data/fsdp/pipeline)"
 
 
 def for_pod(pod: topology.Pod, devices: list) -> Machine:
@@ -39,7 +40,7 @@ def for_pod(pod: topology.Pod, devices: list) -> Machine:
                        hardware.NETWORK_PER_GPU, hardware.GPUS_PER_HOST, GPU_LATENCY_S,
                        assumptions=(f"matmuls at {GPU_EFFICIENCY:.1%} of peak (calibrated on llama_1b, one H200)",
                                     f"{GPU_LATENCY_S * 1e6:.0f} us a collective",
-                                    "data/fsdp/pipeline collectives hidden under compute"))
+                                    HIDING))
     chip = hardware.TPUS[pod.generation]
     return Machine(pod.name, peak, GPU_EFFICIENCY, memory, chip.hbm_bandwidth * per_chip,
                    chip.ici_bandwidth / 2 * per_chip, chip.dcn_bandwidth * per_chip, len(devices) // pod.slices,
@@ -47,7 +48,7 @@ def for_pod(pod: topology.Pod, devices: list) -> Machine:
                    assumptions=(f"matmuls at {GPU_EFFICIENCY:.1%} of peak (the H200's, no TPU step measured)",
                                 "a collective gets the chip's whole ICI bandwidth one way",
                                 f"{TPU_LATENCY_S * 1e6:.0f} us a collective",
-                                "data/fsdp/pipeline collectives hidden under compute"))
+                                HIDING))
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -155,6 +155,31 @@ class ExpectedRun(_Record):
     collectives_by_axis: ByAxis
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Window(_Record):
+    """Collectives over one group of mesh axes alike in kind, bytes sent a run and the matmul FLOPs
+    the schedule runs beside each (0: it blocks), `runs` of them a step (jaxscale.analysis.overlap)."""
+
+    axes: str
+    kind: str
+    sent_bytes: float
+    flops_beside: float
+    runs: float
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AxisOverlap(_Record):
+    """One group of mesh axes' collectives a step: bytes each device sends, the part sent by
+    asynchronous collectives, the matmul FLOPs scheduled beside them, and on a named target the
+    bytes that compute can hide at its link and matmul rates and the exposed rest."""
+
+    sent_bytes: float
+    async_bytes: float
+    flops_beside: float
+    hidden_bytes: float | None = _unset()
+    exposed_bytes: float | None = _unset()
+
+
 @dataclasses.dataclass(frozen=True)
 class TopologySummary(_Record):
     """The named target a plan was compiled for."""
@@ -179,11 +204,12 @@ class StepWork:
     per_device_bytes: MemoryRows | EstimatedBytes
     collectives_by_axis: ByAxis
     expected: ExpectedRun | None = None
+    windows: tuple[Window, ...] | None = None  # a compiled step's, as scheduled (None: an estimate)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Plan(_Record):
-    """The plan of a compiled train step; the last four fields are set by `python -m jaxscale.plan`
+    """The plan of a compiled train step; the last five fields are set by `python -m jaxscale.plan`
     for its target."""
 
     mesh: dict[str, int]
@@ -203,15 +229,18 @@ class Plan(_Record):
     collectives_by_axis: ByAxis
     flops: Flops
     expected: ExpectedRun
+    overlap: dict[str, AxisOverlap]          # by mesh axes (jaxscale.analysis.overlap.by_axis)
+    windows: tuple[Window, ...]              # the expected run's collectives with the compute beside each
     notes: tuple[str, ...] = ()
     frozen: str = ""   # what per_device_bytes.frozen holds: "base" (LoRA), "reference" (DPO's copy) or ""
     topology: TopologySummary | None = _unset()
     memory_limit_bytes: float | None = _unset()
     fits: bool | None = _unset()
     warnings: tuple[str, ...] | None = _unset()
+    predicted: object | None = _unset()  # the target's jaxscale.analysis.cost.Prediction
 
     @property
     def work(self) -> StepWork:
         """What the cost model prices of this plan."""
         return StepWork(self.mesh, self.remat, self.pipeline, self.flops, self.per_device_bytes,
-                        self.collectives_by_axis, self.expected)
+                        self.collectives_by_axis, self.expected, self.windows)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxscale import state as state_lib
-from jaxscale.analysis import hlo_stats
+from jaxscale.analysis import hlo_stats, overlap
 from jaxscale.analysis.plan_types import (
     CompiledBytes,
     ExpectedRun,
@@ -85,7 +85,9 @@ def describe(config, run, compiled, compile_s: float) -> Plan:
     table = _table(run)
     # the pipeline executor's switch runs each action kind for the table's share of its ticks
     shares = {} if table is None else {schedules.ACTIONS: table.shares()}
-    totals, expected = hlo_stats.bound_and_expected(compiled.as_text(), shares)
+    computations, entry = hlo_stats.parse_module(compiled.as_text(), shares)
+    totals, expected = (hlo_stats.module_totals(computations, entry, e) for e in (False, True))
+    windows = overlap.windows(computations, entry, mesh)
     return Plan(
         mesh=dict(mesh), zero_stage=run.layout.zero_stage, remat=config.model.remat,
         pipeline=_pipeline_summary(run, table), platform=run.platform, compute_dtype=str(run.step_spec.dtype),
@@ -102,6 +104,7 @@ def describe(config, run, compiled, compile_s: float) -> Plan:
         flops=_flops(run, None if totals.convolutions else totals.dot_flops, config),
         # what one step is expected to run: each conditional's branches by their share
         expected=ExpectedRun(None if expected.convolutions else expected.dot_flops, by_axis(expected.by_axis(mesh))),
+        overlap=overlap.by_axis(windows), windows=windows,
         notes=tuple(run.notes))
 
 

@@ -1,10 +1,18 @@
-"""XLA flags jaxscale sets by default on NVIDIA GPUs, before JAX starts its GPU backend.
+"""XLA flags jaxscale sets by default: on NVIDIA GPUs and on TPUs.
 
-Each flag helps a sharded training step overlap communication with compute or batch small
-collectives into large ones; MaxText and Paxml set the same family on H100 clusters. A flag
-already present in the user's XLA_FLAGS is left as the user set it, and
-`--config.xla.gpu_defaults=False` sets none. TPUs need none of these: their compiler
-schedules for latency and combines collectives by default.
+GPUs: each flag helps a sharded training step overlap communication with compute or batch small
+collectives into large ones; MaxText and Paxml set the same family on H100 clusters. They go into
+XLA_FLAGS before JAX starts its GPU backend, and the train and eval steps compile with them as
+compiler options, so a plan compiled for a GPU target on any host (`python -m jaxscale.plan
+--topology=h100-8`) compiles what a GPU run does. `--config.xla.gpu_defaults=False` sets none.
+
+TPUs: the steps compile with the TPU compiler's continuation fusions (TPU_OPTIONS), which split a
+collective into steps run inside the compute fusions scheduled beside it; without them libtpu
+runs every all-gather and reduce-scatter of an FSDP step as a blocking op (read from the compiled
+schedule by jaxscale.analysis.overlap; benchmarks/results/pods.md). `--config.xla.tpu_defaults=False`
+sets none.
+
+A flag already in the user's XLA_FLAGS (GPU) or LIBTPU_INIT_ARGS (TPU) is left as the user set it.
 """
 
 from __future__ import annotations
@@ -27,6 +35,33 @@ GPU_FLAGS: dict[str, str] = {
     # Unroll the layer loop by two so one iteration's collectives overlap the other's compute.
     "xla_gpu_enable_while_loop_double_buffering": "true",
 }
+
+
+# The TPU compiler's continuation fusions (MaxText sets the all-gather ones in its TPU recipes).
+TPU_OPTIONS: dict[str, bool] = {
+    "xla_tpu_enable_async_collective_fusion": True,
+    "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
+    "xla_tpu_enable_async_collective_fusion_multiple_steps": True,
+    "xla_tpu_overlap_compute_collective_tc": True,
+    "xla_enable_async_all_gather": True,
+}
+
+
+def compiler_options(xla_cfg, platform: str, env=None) -> tuple[tuple[str, bool | int], ...]:
+    """(name, value) pairs the steps compile with on `platform`: the defaults above the user
+    has not set in XLA_FLAGS (GPU) or LIBTPU_INIT_ARGS (TPU), unless the config turns them off."""
+    env = os.environ if env is None else env
+    if platform == "tpu" and xla_cfg.tpu_defaults:
+        mine = _named(env.get("LIBTPU_INIT_ARGS", ""))
+        return tuple((name, value) for name, value in TPU_OPTIONS.items() if name not in mine)
+    if platform == "gpu" and xla_cfg.gpu_defaults:
+        mine = _named(env.get("XLA_FLAGS", ""))
+        return tuple((name, _value(text)) for name, text in GPU_FLAGS.items() if name not in mine)
+    return ()
+
+
+def _value(text: str) -> bool | int:
+    return text == "true" if text in ("true", "false") else int(text)
 
 
 def _named(flags: str) -> set[str]:
