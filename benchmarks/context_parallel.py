@@ -1,16 +1,17 @@
-"""Context parallelism: ring vs all-gather attention vs none, across sequence lengths.
+"""Context parallelism: ring vs all-gather vs Ulysses attention vs none, across sequence lengths.
 
     python benchmarks/context_parallel.py [--devices=4] [--lengths=512,1024,2048,4096] [--steps=5]
         [--compile_only] [--budget_mib=N [--max_length=L]] [--json] [--append] [--smoke]
 
-The tiny model trains one sequence per step three ways: none = on one device, which holds the
-whole sequence; ring and all_gather = over `devices` devices with mesh.sequence=devices, each
-holding 1/devices of it. Reports the median step time and the per-device temporary memory of
-the compiled step. On a CPU the fake devices share the host's cores, so step times show the
-algorithms' overheads, not the parallel speed-up real devices give. `--compile_only` reports
-temporaries alone (no steps: long sequences compile in seconds). `--budget_mib`: for none and
-ring, the longest power-of-two sequence (from 1024, up to --max_length) whose compiled step's
-per-device temporaries fit in that many MiB. `--json` prints one row per (seq_len, mode) with
+The tiny model trains one sequence per step four ways: none = on one device, which holds the
+whole sequence; ring, all_gather and ulysses = over `devices` devices with mesh.sequence=devices,
+each holding 1/devices of it (ulysses needs the model's 4 heads to divide by `devices`).
+Reports the median step time and the per-device temporary memory of the compiled step. On a
+CPU the fake devices share the host's cores, so step times show the algorithms' overheads, not
+the parallel speed-up real devices give. `--compile_only` reports temporaries alone (no steps:
+long sequences compile in seconds). `--budget_mib`: for none and ring, the longest power-of-two
+sequence (from 1024, up to --max_length) whose compiled step's per-device temporaries fit in
+that many MiB. `--json` prints one row per (seq_len, mode) with
 step_s (None with --compile_only) and temp_bytes, and `longest` per mode with --budget_mib.
 """
 
@@ -23,7 +24,7 @@ import sys
 
 import _steps
 
-MODES = ("none", "ring", "all_gather")
+MODES = ("none", "ring", "all_gather", "ulysses")
 
 
 def _config(mode: str, length: int, devices: int):
@@ -86,8 +87,8 @@ def main() -> None:
     _common.fake_cpu_devices(args.devices)
     import jax
 
-    rows, lines = [], ["| seq_len | none: step, temp/device | ring: step, temp/device "
-                       "| all_gather: step, temp/device |", "|---|---|---|---|"]
+    rows, lines = [], ["| seq_len | " + " | ".join(f"{mode}: step, temp/device" for mode in MODES) + " |",
+                       "|---|" + "---|" * len(MODES)]
     for length in (int(x) for x in args.lengths.split(",")):
         for mode in MODES:
             config, devices = _config(mode, length, args.devices), 1 if mode == "none" else args.devices

@@ -62,7 +62,7 @@ def _attention_kernels() -> dict:
     """model.attention: the attention kernel and context parallelism."""
     return dict(
         impl="auto",               # xla | cudnn | splash | auto (cudnn on GPU, splash on TPU, where they run)
-        context_parallel="ring",   # ring | all_gather: attention when mesh.sequence > 1
+        context_parallel="ring",   # ring | all_gather | ulysses: attention when mesh.sequence > 1
         block_size=512,            # the blockwise (xla) kernel's tile edge: memory O(L x block), not O(L^2)
     )
 

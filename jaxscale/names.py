@@ -61,7 +61,7 @@ UNROLL_UP_TO = 8  # layer_loop=auto unrolls this many layers or fewer on CPU
 DTYPES = ("auto", "float32", "bfloat16")
 GRAD_REDUCE_DTYPES = ("", "float32", "bfloat16")  # "": the compute dtype
 ATTENTION_IMPLS = ("xla", "cudnn", "splash", "auto")
-CONTEXT_PARALLEL = ("ring", "all_gather")
+CONTEXT_PARALLEL = ("ring", "all_gather", "ulysses")
 # Schedules jaxscale.parallel.schedules builds by name; "file" reads one written out (pipeline.schedule=file).
 BUILT_IN_SCHEDULES = ("gpipe", "circular", "1f1b", "interleaved_1f1b", "zero_bubble")
 PIPELINE_SCHEDULES = (*BUILT_IN_SCHEDULES, "file")

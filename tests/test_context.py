@@ -1,5 +1,5 @@
-"""Blockwise attention on one device and context-parallel attention (ring, all_gather) equal a
-dense masked softmax, forward and backward, with grouped-query heads and packed documents."""
+"""Blockwise attention on one device and context-parallel attention (ring, all_gather, ulysses)
+equal a dense masked softmax, forward and backward, with grouped-query heads and packed documents."""
 
 import jax
 import jax.numpy as jnp
@@ -122,6 +122,48 @@ def test_context_parallel_matches_reference(mode, shards, heads, kv_heads, docum
         return out[:, np.argsort(order)]
 
     _assert_matches(ours, q, k, v, segments)
+
+
+@pytest.mark.parametrize("shards, heads, kv_heads, documents", [
+    (2, 6, 2, False), (2, 6, 2, True), (4, 4, 4, False),
+    (4, 4, 2, True),   # too few key/value heads to split: repeated to one per query head
+])
+def test_ulysses_matches_reference(shards, heads, kv_heads, documents):
+    layout = make_layout(sequence=shards)
+    q, k, v, segments = _inputs(heads, kv_heads, documents)
+    order = zigzag_order(LENGTH, shards)
+    positions = jnp.broadcast_to(jnp.asarray(order), (2, LENGTH))
+
+    def ours(q, k, v):
+        out = attention(q[:, order], k[:, order], v[:, order], positions, segments[:, order], layout, "ulysses",
+                        block=2)
+        return out[:, np.argsort(order)]
+
+    _assert_matches(ours, q, k, v, segments)
+
+
+def test_ulysses_keeps_a_sliding_window_and_soft_capped_scores():
+    """Each device attends the whole row in token order, so the window and the cap act as on one
+    device (the blockwise kernel's, itself checked against the dense softmax above)."""
+    layout = make_layout(sequence=4)
+    q, k, v, segments = _inputs(8, 4, True)
+    order = zigzag_order(LENGTH, 4)
+    positions = jnp.broadcast_to(jnp.asarray(order), (2, LENGTH))
+    natural = jnp.broadcast_to(jnp.arange(LENGTH), (2, LENGTH))
+    masks = dict(window=5, softcap=3.0)
+
+    def ours(q, k, v):
+        out = attention(q[:, order], k[:, order], v[:, order], positions, segments[:, order], layout, "ulysses",
+                        block=2, **masks)
+        return jnp.sum(out[:, np.argsort(order)] * jnp.cos(q))
+
+    def one_device(q, k, v):
+        return jnp.sum(flash.attention(q, k, v, natural, natural, segments, segments, 4, **masks) * jnp.cos(q))
+
+    np.testing.assert_allclose(jax.jit(ours)(q, k, v), one_device(q, k, v), rtol=1e-5)
+    got, want = (jax.grad(f, argnums=(0, 1, 2)) for f in (jax.jit(ours), one_device))
+    for a, b in zip(got(q, k, v), want(q, k, v)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -79,6 +79,7 @@ def test_init_independent_of_call_site():
 
 STRATEGIES = {"ring": (dict(sequence=4), dict(context="ring")),
               "all_gather": (dict(sequence=2), dict(context="all_gather")),
+              "ulysses": (dict(sequence=2), dict(context="ulysses")),
               "gpipe": (dict(pipeline=2), dict(microbatches=2))}
 
 

@@ -43,6 +43,7 @@ LAYOUTS = {  # name -> (config file, overrides); tiny.py computes in float32 on 
     "pipeline2_fsdp2": ["mesh.data=2", "mesh.pipeline=2", "mesh.fsdp=2", "model.num_layers=4"],
     "tensor4": [*TENSOR4, "sharding.sequence_parallel=False"], "tensor4_sp": TENSOR4,
     "sequence4_ring": SEQUENCE4, "sequence4_all_gather": [*SEQUENCE4, "model.attention.context_parallel='all_gather'"],
+    "sequence4_ulysses": [*SEQUENCE4, "model.attention.context_parallel='ulysses'"],
     "pipeline2_gpipe": PIPELINE2,
     "pipeline2_circular": [*PIPELINE2, "pipeline.schedule=circular", "pipeline.virtual_stages=2"],
     "expert4": ("tiny_moe.py", ["mesh.data=2", "mesh.expert=4"]),
@@ -223,6 +224,11 @@ COLLECTIVES_SPEC = {
     "sequence4_all_gather": {("all-gather", "sequence"): lambda s: 3 / 4 * 4 * 2 * s.kv * 2,
                              ("reduce-scatter", "sequence"): lambda s: 3 * 2 * s.kv * 2,
                              ("all-reduce", "data+sequence"): lambda s: 2 * 7 / 8 * (s.w + s.t)},
+    # Ulysses: queries, keys, values (its 2 KV heads repeated to 4, too few to split 4 ways) and
+    # the output each all-to-all'd once a layer forward and once backward; the positions and
+    # segment ids are gathered too (int32, under 2% of W).
+    "sequence4_ulysses": {("all-to-all", "sequence"): lambda s: s.layers * 2 * 3 / 4 * (2 * s.a + 2 * 2 * s.kv),
+                          ("all-reduce", "data+sequence"): lambda s: 2 * 7 / 8 * (s.w + s.t)},
     # GPipe, P=2 stages, M=4 microbatches, run by the schedule executor: each of its 2M+2(P-1)
     # ticks passes one microbatch's activations forward and one's gradients back; each stage's
     # layer gradients are summed over data once, and the embedding and head gradients (first and

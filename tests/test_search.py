@@ -37,6 +37,34 @@ def test_the_candidates_are_the_layouts_the_model_allows():
     # tensor 1: (s, p) = (1, 1) 4 splits of 8, (1, 2) 3, (2, 1) 3, (2, 2) 2, (4, 1) 2, (4, 2) 1,
     # (8, 1) 1 = 16; tensor 2: 3 + 2 + 2 + 1 + 1 = 9; tensor 4: 2 + 1 + 1 = 4.
     assert len({layout.mesh for layout in found}) == 29
+    # With the sequence split, each context-parallel attention the heads allow: ulysses where each
+    # device's heads (4 / tensor) divide by sequence.
+    contexts = {(layout.sizes["sequence"], layout.sizes["tensor"], layout.context) for layout in found
+                if layout.sizes["sequence"] > 1}
+    assert {(4, 1, "ring"), (4, 1, "all_gather"), (4, 1, "ulysses"), (2, 2, "ulysses")} <= contexts
+    assert (8, 1, "ulysses") not in contexts and (4, 2, "ulysses") not in contexts
+
+
+def test_the_context_parallel_attentions_send_what_their_collectives_carry():
+    """By arithmetic per device and step (2 layers, no remat; A: a device's queries, K/V: its
+    keys and values, 2 KV heads of 4): ring passes K/V n - 1 hops three times, all_gather gathers
+    them and reduce-scatters their gradients ((n - 1) K/V each), ulysses all-to-alls queries, K/V
+    (repeated to 4 heads where 2 do not split) and output forward and back ((n - 1)/n of each):
+    at a device's fixed share of the tokens, only ulysses' bytes stay bounded as n grows."""
+    config = cli.load_config(TINY, [])
+    t, m = config.train, config.model
+    for n in (2, 4):
+        sent = {}
+        for mode in ("ring", "all_gather", "ulysses"):
+            layout = layouts.Candidate((("data", 8 // n), ("pipeline", 1), ("fsdp", 1), ("expert", 1), ("sequence", n),
+                                        ("tensor", 1)), 1, 0, "none", context=mode)
+            work = layouts.estimate(config, layout, *search.model_numbers(config))
+            sent[mode] = work.collectives_by_axis["estimate"]["sequence"].sent_bytes
+        a = t.global_batch_size // (8 // n) * t.seq_len // n * m.d_model * 2  # dtype auto: 2 bytes an element
+        kv = a * 2 * m.num_kv_heads / m.num_heads
+        assert sent["ring"] == pytest.approx(2 * 3 * kv * (n - 1))
+        assert sent["all_gather"] == pytest.approx(2 * 2 * kv * (n - 1))
+        assert sent["ulysses"] == pytest.approx(2 * 2 * (2 * a + (kv if n == 2 else 2 * a)) * (n - 1) / n)
 
 
 MACHINE = cost.Machine("test", peak_flops=1e15, efficiency=0.5, memory_bytes=80e9, memory_bandwidth=2e12,

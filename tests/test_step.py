@@ -147,6 +147,14 @@ def test_a_layer_pattern_in_pipeline_stages_equals_one_device(optim_cfg):
                  _run(_layout(1), 1, optim_cfg, steps=2, spec=spec), rtol=1e-5)
 
 
+def test_ulysses_takes_windows_and_soft_capped_scores_beside_tensor_parallelism(optim_cfg):
+    """LG windows of 8 tokens and scores capped at 5 under sequence=2 x tensor=2 (each device's 4
+    heads split over sequence): the steps one device takes."""
+    spec = ModelSpec(**{**DEEP.__dict__, "layer_pattern": "LG", "sliding_window": 8, "attn_logit_softcap": 5.0})
+    ulysses = _run(_layout(sequence=2, tensor=2), 1, optim_cfg, steps=2, spec=spec, strategy=dict(context="ulysses"))
+    _assert_same(ulysses, _run(_layout(1), 1, optim_cfg, steps=2, spec=spec), rtol=1e-5)
+
+
 DEEPER = ModelSpec(**{**SPEC.__dict__, "num_layers": 8})
 
 
@@ -190,7 +198,7 @@ def test_gpipe_with_accumulation(deep_reference, optim_cfg):
                  deep_reference, rtol=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["all_gather", "ring"])
+@pytest.mark.parametrize("mode", ["all_gather", "ring", "ulysses"])
 def test_context_parallel_modes_with_accumulation(reference, optim_cfg, mode):
     _assert_same(_run(_layout(data=2, sequence=4), 2, optim_cfg, steps=3, strategy=dict(context=mode)), reference,
                  rtol=1e-5)

@@ -27,7 +27,8 @@ SEARCHED_SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2))  # (schedule, virtua
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     """One candidate: mesh sizes (whole mesh; `dcn_data` of `data` cross slow links), ZeRO stage,
-    remat, and the pipeline's schedule, microbatches and virtual stages."""
+    remat, the pipeline's schedule, microbatches and virtual stages, and the context-parallel
+    attention."""
 
     mesh: tuple[tuple[str, int], ...]
     dcn_data: int
@@ -36,6 +37,7 @@ class Candidate:
     schedule: str = "1f1b"
     microbatches: int = 1
     virtual: int = 1
+    context: str = "ring"  # with the sequence split: ring, all_gather or ulysses
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -49,6 +51,8 @@ class Candidate:
         if sizes["pipeline"] > 1:
             out.update({"pipeline.schedule": self.schedule, "pipeline.microbatches": self.microbatches,
                         "pipeline.virtual_stages": self.virtual})
+        if sizes["sequence"] > 1:
+            out["model.attention.context_parallel"] = self.context
         return out
 
     def describe(self) -> str:
@@ -59,6 +63,8 @@ class Candidate:
         parts.append(self.remat)
         if self.sizes["pipeline"] > 1:
             parts.append(f"{self.schedule} x{self.microbatches}" + (f" v{self.virtual}" if self.virtual > 1 else ""))
+        if self.sizes["sequence"] > 1:
+            parts.append(self.context)
         return " ".join(parts)
 
 
@@ -98,16 +104,25 @@ def candidates(config, devices: int, slices: int, fast_domain: int, remats=REMAT
         mesh = tuple(sizes.items())
         # ZeRO-3 over data inside one slice splits what fsdp splits, the same program: left to fsdp.
         stages = (range(4) if slices > 1 else range(3)) if data > 1 else (0,)
-        for zero, remat in itertools.product(stages, remats):
+        for zero, remat, context in itertools.product(stages, remats, _contexts(m, sequence, tensor)):
             if pipeline == 1:
-                yield Candidate(mesh, slices, zero, remat)
+                yield Candidate(mesh, slices, zero, remat, context=context)
                 continue
             # beside context parallelism the stages run by autodiff through GPipe's forward
             schedules_here = SEARCHED_SCHEDULES if sequence == 1 else (("gpipe", 1),)
             for (schedule, virtual), factor in itertools.product(schedules_here, (1, 2, 4)):
                 micro = pipeline * factor
                 if local % micro == 0 and m.num_layers % (pipeline * virtual) == 0:
-                    yield Candidate(mesh, slices, zero, remat, schedule, micro, virtual)
+                    yield Candidate(mesh, slices, zero, remat, schedule, micro, virtual, context)
+
+
+def _contexts(m, sequence: int, tensor: int) -> tuple[str, ...]:
+    """The context-parallel attentions a model takes with the sequence split `sequence` ways
+    (ring and all_gather have no windows or capped scores; ulysses splits each device's heads)."""
+    if sequence == 1:
+        return ("ring",)
+    plain = () if "L" in m.layer_pattern or m.attn_logit_softcap else ("ring", "all_gather")
+    return plain + (("ulysses",) if (m.num_heads // tensor) % sequence == 0 else ())
 
 
 def bubble(layout: Candidate) -> float:
@@ -142,6 +157,27 @@ def estimate(config, layout: Candidate, counts: dict[str, int], flops_per_token:
                     {"estimate": _collectives(config, layout, tokens / batch / s["sequence"], model_bytes, width)})
 
 
+def _context_row(m, mode: str, n: int, layers: float, chunks: int, heads_act: float, recompute: bool
+                 ) -> AxisCollective:
+    """What a device sends over `sequence` (n ways) a step for `layers` attention layers, each run
+    on `chunks` microbatches, `heads_act` the bytes of its share of a layer's queries a step (its
+    rows, its length, its heads): ring passes K and V round n - 1 hops forward and twice backward
+    (the second with their gradients' sums); all_gather gathers them forward (again under full
+    remat) and reduce-scatters their gradients; ulysses all-to-alls the queries, keys, values and
+    output forward (again under full remat) and their gradients backward (keys and values at one
+    per query head when too few to split)."""
+    passes = 3 if recompute else 2
+    if mode == "ulysses":
+        kv_heads = m.num_kv_heads if m.num_kv_heads % n == 0 else m.num_heads
+        kv = heads_act * 2 * kv_heads / m.num_heads
+        return AxisCollective(count=4 * passes * layers * chunks,
+                              sent_bytes=passes * layers * (2 * heads_act + kv) * (n - 1) / n)
+    kv = heads_act * 2 * m.num_kv_heads / m.num_heads  # keys and values
+    if mode == "all_gather":
+        return AxisCollective(count=2 * passes * layers * chunks, sent_bytes=passes * layers * kv * (n - 1))
+    return AxisCollective(count=3 * layers * (n - 1) * chunks, sent_bytes=3 * layers * kv * (n - 1))
+
+
 def _saved_per_token(m, remat: str, tensor: int) -> float:
     """Elements a layer keeps per token for its backward pass: everything it computed (none), its
     matmuls' outputs (dots_saveable) or only its input (full, which then recomputes one layer's)."""
@@ -160,9 +196,9 @@ def _collectives(config, layout: Candidate, tokens: float, model_bytes: tuple[fl
     experts), by ring arithmetic: weights gathered twice and gradients reduce-scattered over fsdp
     (the dense weights over fsdp x expert: the part past fsdp's ring on the expert row; and over
     data at ZeRO-3; gradients all-reduced over data below it), two all-reduces of the activations
-    a layer forward and two backward over tensor (three each with full remat), K and V passed
-    round the sequence ring (forward, and twice backward), tokens to experts and back over
-    expert, and each microbatch's activations and gradients between pipeline stages."""
+    a layer forward and two backward over tensor (three each with full remat), the attention's
+    traffic over sequence (`_context_row`), tokens to experts and back over expert, and each
+    microbatch's activations and gradients between pipeline stages."""
     m, s = config.model, layout.sizes
     layers = m.num_layers / s["pipeline"]
     act = tokens * m.d_model * width  # a device's activations of one layer, its whole batch of a step
@@ -185,9 +221,8 @@ def _collectives(config, layout: Candidate, tokens: float, model_bytes: tuple[fl
         rows["tensor"] = AxisCollective(count=passes * layers * chunks,
                                         sent_bytes=passes * layers * 2 * act * ring(s["tensor"]))
     if s["sequence"] > 1:
-        kv = act * 2 * m.num_kv_heads / m.num_heads
-        rows["sequence"] = AxisCollective(count=3 * layers * (s["sequence"] - 1) * chunks,
-                                          sent_bytes=3 * layers * kv * (s["sequence"] - 1))
+        rows["sequence"] = _context_row(m, layout.context, s["sequence"], layers, chunks, act / s["tensor"],
+                                        layout.remat == "full")
     if s["expert"] > 1:
         moe_layers = (m.num_layers - m.moe.first_dense) / max(1, m.moe.every_n_layers) / s["pipeline"]
         rows["expert"] = AxisCollective(count=4 * moe_layers * chunks + gathers.count, sent_bytes=gathers.sent_bytes

@@ -67,7 +67,7 @@ class Row:
     compile_s: float
 
 
-def _model_numbers(config) -> tuple[dict[str, int], float]:
+def model_numbers(config) -> tuple[dict[str, int], float]:
     """(parameter counts by how they split, training FLOPs per token) from abstract shapes."""
     from jaxscale.models import model_from_config
 
@@ -79,7 +79,7 @@ def _model_numbers(config) -> tuple[dict[str, int], float]:
 def ranked_estimates(config, target: Target) -> list[tuple[float, layouts.Candidate, StepWork]]:
     """(predicted seconds, layout, estimate) of every candidate whose estimate fits, fastest first.
     Raises ConfigError (naming the topology) when none fits, with the devices the state needs."""
-    counts, per_token = _model_numbers(config)
+    counts, per_token = model_numbers(config)
     machine, found = target.machine, []
     for layout in layouts.candidates(config, target.devices, target.slices, machine.fast_domain):
         guess = layouts.estimate(config, layout, counts, per_token)

@@ -117,18 +117,20 @@ def check_prediction(config, sizes) -> None:
 
 def check_layer_kinds(config, sizes) -> None:
     """How the layer pattern and soft-capping meet the mesh: a pipeline stage holds whole periods
-    of the pattern; context parallelism has no sliding window or soft-capping."""
+    of the pattern; ring and all_gather context parallelism have no sliding window or soft-capping."""
     m = config.model
     p = len(period(m.layer_pattern))
     chunks = sizes["pipeline"] * config.pipeline.virtual_stages
     require(sizes["pipeline"] == 1 or (m.num_layers // chunks) % p == 0, "model.layer_pattern", m.layer_pattern,
             f"each of the {chunks} pipeline layer chunks must hold whole repeats of the {p}-layer pattern; "
             f"use model.num_layers a multiple of {chunks * p}")
-    if sizes["sequence"] > 1:
-        require("L" not in m.layer_pattern, "model.layer_pattern", m.layer_pattern, "context parallelism "
-                "(mesh.sequence > 1) has no sliding-window attention; set mesh.sequence=1 or a pattern of G only")
-        require(not m.attn_logit_softcap, "model.attn_logit_softcap", m.attn_logit_softcap, "context parallelism "
-                "(mesh.sequence > 1) does not soft-cap attention scores; set mesh.sequence=1")
+    if sizes["sequence"] > 1 and m.attention.context_parallel != "ulysses":
+        require("L" not in m.layer_pattern, "model.layer_pattern", m.layer_pattern, "ring and all_gather context "
+                "parallelism (mesh.sequence > 1) have no sliding-window attention; set "
+                "model.attention.context_parallel=ulysses, mesh.sequence=1 or a pattern of G only")
+        require(not m.attn_logit_softcap, "model.attn_logit_softcap", m.attn_logit_softcap, "ring and all_gather "
+                "context parallelism (mesh.sequence > 1) do not soft-cap attention scores; set "
+                "model.attention.context_parallel=ulysses or mesh.sequence=1")
 
 
 def _check_rope_scaling(r) -> None:

@@ -183,12 +183,13 @@ class Attention(nnx.Module):
 
 def causal(q_BLHE, k_BLKE, v_BLKE, places: Placement, layer, window: int = 0, softcap: float = 0.0):
     """Training's causal attention of an attention layer (its kernel, block and strategy): the
-    ring or all-gather of context parallelism (tokens in zig-zag order, see LanguageModel.loss),
-    else the layer's kernel on each device's rows."""
+    ring, all-gather or all-to-all (ulysses) of context parallelism (tokens in zig-zag order, see
+    LanguageModel.loss), else the layer's kernel on each device's rows."""
     s = layer.strategy
     if s.context != "none":
-        ring = functools.partial(context.attention, layout=s.layout, mode=s.context, block=layer.block)
-        return kept(ring)(q_BLHE, k_BLKE, v_BLKE, places.positions, places.segments)
+        split = functools.partial(context.attention, layout=s.layout, mode=s.context, block=layer.block,
+                                  window=window, softcap=softcap)
+        return kept(split)(q_BLHE, k_BLKE, v_BLKE, places.positions, places.segments)
     return self_attention(q_BLHE, k_BLKE, v_BLKE, places, layer.impl, layer.block, s.layout, window, softcap)
 
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxscale.names import PIPELINE_SCHEDULES
+from jaxscale.names import CONTEXT_PARALLEL, PIPELINE_SCHEDULES
 from jaxscale.parallel import schedules
 from jaxscale.sharding import Layout
 
 PIPELINES = ("none", *PIPELINE_SCHEDULES)  # Strategy.pipeline's choices
-CONTEXT_ALGORITHMS = ("none", "ring", "all_gather")
+CONTEXT_ALGORITHMS = ("none", *CONTEXT_PARALLEL)
 EXPERT_DISPATCH = ("local", "all_to_all")
 
 
@@ -29,7 +29,7 @@ class Strategy:
     microbatches: int = 1          # pipeline microbatches a step
     virtual_stages: int = 1        # layer chunks per device (circular, interleaved_1f1b)
     schedule_file: str = ""        # with pipeline="file": each stage's actions (parallel.schedules.load)
-    context: str = "none"          # none | ring | all_gather: attention over mesh axis `sequence`
+    context: str = "none"          # none | ring | all_gather | ulysses: attention over mesh axis `sequence`
     experts: str = "local"         # local | all_to_all: MoE tokens exchanged over mesh axis `expert`
 
     def __post_init__(self):

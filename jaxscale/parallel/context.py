@@ -1,6 +1,6 @@
 """Context parallelism: attention over a sequence split across the `sequence` mesh axis.
 
-Two strategies, both inside shard_map over `sequence` (the batch's mesh axes manual too), both
+Three strategies, all inside shard_map over `sequence` (the batch's mesh axes manual too), all
 on the blockwise attention of `kernels.flash`:
 - ring: key/value blocks travel around the ring with ppermute while each device folds them into
   its queries' online softmax, each send issued beside the current block's compute so the two
@@ -9,8 +9,14 @@ on the blockwise attention of `kernels.flash`:
   behind: memory per device O(L/S · d), never a score matrix.
 - all_gather: each device gathers the whole K/V once and attends its queries to it (gradients
   reduce-scattered back); fewer, larger messages, better for short sequences.
+- ulysses (DeepSpeed-Ulysses): an all-to-all turns the sequence split into a split of the heads,
+  each device attends the whole sequence with its share of the heads, and a second all-to-all
+  turns the output back: four all-to-alls of a layer's activations forward and four backward,
+  whose bytes do not grow with the number of devices; the heads a device holds (after `tensor`)
+  must divide by `sequence`. The whole row is put back in token order for the kernel, so sliding
+  windows and soft-capped scores work as on one device.
 
-Causality comes from the tokens' true positions, document boundaries from segment ids. Both
+Causality comes from the tokens' true positions, document boundaries from segment ids. All
 expect the zig-zag layout (`zigzag_order`), which gives every device an equal share of unmasked
 work; with tiles no longer than a chunk, the blockwise kernel skips the tiles no query of the
 device can see, so a visiting block costs half a diagonal one.
@@ -35,12 +41,18 @@ AXIS = "sequence"
 
 def check(config, sizes) -> None:
     """A known strategy, and with the sequence split (`sizes[AXIS]` > 1) a train.seq_len that the
-    zig-zag layout cuts into 2 x sizes[AXIS] equal chunks; raises ConfigError naming the field."""
-    require_choice("model.attention.context_parallel", config.model.attention.context_parallel, CONTEXT_PARALLEL)
+    zig-zag layout cuts into 2 x sizes[AXIS] equal chunks, and for ulysses heads a device holds that
+    divide by it; raises ConfigError naming the field."""
+    mode = config.model.attention.context_parallel
+    require_choice("model.attention.context_parallel", mode, CONTEXT_PARALLEL)
     chunks, seq_len = 2 * sizes[AXIS], config.train.seq_len
     require(sizes[AXIS] == 1 or seq_len % chunks == 0, "train.seq_len", seq_len,
             f"context parallelism lays the sequence out in {chunks} chunks (2 x mesh.sequence); "
             f"use a multiple of {chunks}")
+    heads = config.model.num_heads // sizes["tensor"]
+    require(sizes[AXIS] == 1 or mode != "ulysses" or heads % sizes[AXIS] == 0, "model.attention.context_parallel",
+            mode, f"ulysses splits each device's {heads} heads (model.num_heads / mesh.tensor) over mesh.sequence="
+                  f"{sizes[AXIS]}; use a mesh.sequence that divides them, or ring or all_gather")
 
 
 def zigzag_order(length: int, shards: int) -> np.ndarray:
@@ -124,11 +136,33 @@ def _all_gather_local(q_BQHE, k_BSKE, v_BSKE, pos_BQ, seg_BQ, *, shards: int, bl
     return flash.attention(q_BQHE, k, v, pos_BQ, k_pos, seg_BQ, k_seg, block)
 
 
-def attention(q_BLHE, k_BLKE, v_BLKE, positions_BL, segments_BL, layout, mode: str = "ring", block: int = flash.BLOCK):
-    """Causal attention with the length dimension split over `sequence` (ring or all_gather), in
-    tiles of at most `block` rows that divide each zig-zag chunk (so the tiles a device cannot
-    see are skipped whole); segments_BL (None: one document a row) keeps each token within its
-    document.
+def _ulysses_local(q_BQHE, k_BSKE, v_BSKE, pos_BQ, seg_BQ, *, shards: int, block: int, window: int = 0,
+                   softcap: float = 0.0):
+    """Each device's rows of the length, all heads -> the whole length, its heads (all-to-all);
+    attention in token order; back. Key/value heads too few to split are repeated to one per
+    query head first, so each device holds the ones its query heads read."""
+    heads, kv_heads = q_BQHE.shape[2], k_BSKE.shape[2]
+    if kv_heads % shards:
+        k_BSKE, v_BSKE = (jnp.repeat(x, heads // kv_heads, axis=2) for x in (k_BSKE, v_BSKE))
+    q, k, v = (jax.lax.all_to_all(x, AXIS, 2, 1, tiled=True) for x in (q_BQHE, k_BSKE, v_BSKE))
+    pos, seg = (jax.lax.all_gather(x, AXIS, axis=1, tiled=True) for x in (pos_BQ, seg_BQ))
+    zigzag = zigzag_order(q.shape[1], shards)  # the order the devices' chunks arrive in
+    natural = np.argsort(zigzag)
+    q, k, v, pos, seg = (jnp.take(x, natural, axis=1) for x in (q, k, v, pos, seg))
+    out = flash.attention(q, k, v, pos, pos, seg, seg, block, window, softcap)
+    return jax.lax.all_to_all(jnp.take(out, zigzag, axis=1), AXIS, 1, 2, tiled=True)
+
+
+LOCAL = {"ring": _ring_local, "all_gather": _all_gather_local, "ulysses": _ulysses_local}
+
+
+def attention(q_BLHE, k_BLKE, v_BLKE, positions_BL, segments_BL, layout, mode: str = "ring", block: int = flash.BLOCK,
+              window: int = 0, softcap: float = 0.0):
+    """Causal attention with the length dimension split over `sequence` (ring, all_gather or
+    ulysses), in tiles of at most `block` rows that divide each zig-zag chunk (so the tiles a
+    device cannot see are skipped whole); segments_BL (None: one document a row) keeps each token
+    within its document; `window` and `softcap` (ulysses only; the config checks refuse them
+    beside the others) as in `flash.attention`.
 
     The batch's own split (`layout`'s `batch` axes) is manual too: left automatic, the
     partitioner gathered the whole batch over `data` for an all-gather inside the map (every
@@ -137,7 +171,8 @@ def attention(q_BLHE, k_BLKE, v_BLKE, positions_BL, segments_BL, layout, mode: s
     shards = mesh.shape[AXIS]
     segments_BL = jnp.zeros_like(positions_BL) if segments_BL is None else segments_BL
     tile = flash.block_for(q_BLHE.shape[1] // (2 * shards), block)
-    local = functools.partial(_ring_local if mode == "ring" else _all_gather_local, shards=shards, block=tile)
+    masks = dict(window=window, softcap=softcap) if mode == "ulysses" else {}
+    local = functools.partial(LOCAL[mode], shards=shards, block=tile, **masks)
     if AXIS in manual_here():  # in a layer's map over the rows and the length
         return local(q_BLHE, k_BLKE, v_BLKE, positions_BL, segments_BL)
     batch = layout.batch_axes(AXIS)
