@@ -133,7 +133,8 @@ def _measure(session: Session, rounds: int, steps: int) -> dict:
     batch = next(session.data.train_batches(0))
     params = jax.tree.map(jnp.copy, session.live.state.params)
     opt_state = jax.tree.map(jnp.copy, session.live.state.opt_state)
-    ref_loss = float(run.eval_step(session.live.state.weights, batch))
+    state = session.live.state
+    ref_loss = float(run.eval_step(state.params, state.base, batch)["loss"])
     check = float(jax.jit(bare_loss, static_argnums=(2, 3))(params, batch, run.model.spec, dtype))
     loop_first = _time_first_loop_step(session)
     params, opt_state, bare_first = _time_bare(bare, params, opt_state, batch, 1)  # compiles

@@ -137,7 +137,8 @@ def _accumulate(params, batch: Batch, spec: StepSpec, grad_shardings=None, count
 
     zeros = ({name: jnp.zeros(shape, jnp.float32) for name, shape in shapes.items()},
              place(jax.tree.map(jnp.zeros_like, params)))
-    total = jax.lax.scan(add, zeros, microbatch.split_tree(batch, spec.accum_steps))[0]
+    unit = 2 if spec.preference.on else 1  # a pair's two rows in one microbatch
+    total = jax.lax.scan(add, zeros, microbatch.split_tree(batch, spec.accum_steps, unit))[0]
     return jax.tree.map(lambda x: x / spec.accum_steps, total)
 
 
@@ -222,15 +223,17 @@ def jit_train_step(spec: StepSpec):
 
 
 def jit_eval_step(spec: StepSpec):
-    """Mean validation loss (cross entropy) of one batch, over its trained targets: (weights,
-    batch) -> loss, weights the model's whole parameter tree (TrainState.weights). Under
-    preference tuning, the cross entropy of the pairs' completions, chosen and rejected alike."""
-    params_shardings = spec.state_shardings.weights
+    """Validation metrics of one batch, (params, base, batch) -> {"loss": ...} (TrainState's
+    params and frozen base): the mean cross entropy over its trained targets; under preference
+    tuning the training's objective on the batch's pairs, against the same reference, with its
+    rewards (jaxscale.preference.METRICS)."""
+    s, names = spec.state_shardings, ("loss", *(preference.METRICS if spec.preference.on else ()))
 
-    def fn(params, batch):
+    def fn(params, base, batch):
         batch, count = trained(batch)
-        return _lm_loss(on_device(params, params_shardings), batch, spec, count)[1]["loss"]
+        metrics = loss_fn(on_device(params, s.params), batch, spec, count, on_device(base, s.base))[1]
+        return {name: metrics[name] for name in names}
 
     replicated = NamedSharding(spec.layout.mesh, P())
-    return jax.jit(fn, in_shardings=(params_shardings, spec.layout.batch_sharding()), out_shardings=replicated,
+    return jax.jit(fn, in_shardings=(s.params, s.base, spec.layout.batch_sharding()), out_shardings=replicated,
                    compiler_options=dict(spec.compiler_options) or None)

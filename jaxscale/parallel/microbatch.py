@@ -21,13 +21,15 @@ def check(config, sizes) -> None:
             f"use a multiple of {shards * t.grad_accum_steps}")
 
 
-def split(x, count: int):
-    """[B, ...] -> [count, B/count, ...], microbatch i = rows i, i+count, ...
+def split(x, count: int, unit: int = 1):
+    """[B, ...] -> [count, B/count, ...], microbatch i = rows i, i+count, ... (with `unit` > 1,
+    groups of `unit` consecutive rows taken whole: a preference batch's pairs stay together).
 
     Strided rows keep every microbatch spread evenly over the shards of the batch dimension,
     so no data moves between devices.
     """
-    return x.reshape(x.shape[0] // count, count, *x.shape[1:]).swapaxes(0, 1)
+    grouped = x.reshape(x.shape[0] // (count * unit), count, unit, *x.shape[1:]).swapaxes(0, 1)
+    return grouped.reshape(count, x.shape[0] // count, *x.shape[1:])
 
 
 def merge(x):
@@ -35,5 +37,5 @@ def merge(x):
     return x.swapaxes(0, 1).reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
-def split_tree(tree, count: int):
-    return jax.tree.map(lambda x: split(x, count), tree)
+def split_tree(tree, count: int, unit: int = 1):
+    return jax.tree.map(lambda x: split(x, count, unit), tree)

@@ -166,9 +166,11 @@ def measure(session: Session, clock: Clock, step: int, stopping: bool, metrics: 
 
 
 def with_val_loss(session: Session, step: int, record: dict) -> dict:
-    """The record, with the validation loss on an evaluation step."""
+    """The record, with the validation loss on an evaluation step (and under preference tuning
+    the held-out pairs' rewards: val_reward_accuracy, ...)."""
     if is_eval_step(step, session.run.config.train):
-        return {**record, "val_loss": mean_eval_loss(session)}
+        means = eval_metrics(session)
+        return {**record, "val_loss": means.pop("loss"), **{f"val_{name}": value for name, value in means.items()}}
     return record
 
 
@@ -201,10 +203,12 @@ def is_eval_step(step: int, train_cfg) -> bool:
     return bool(every) and (step % every == 0 or step == train_cfg.steps)
 
 
-def mean_eval_loss(session: Session) -> float:
-    """Mean loss over the validation batches."""
-    params, step = session.live.state.weights, session.run.eval_step
-    return float(np.mean([jax.device_get(step(params, b)) for b in session.val_batches()]))
+def eval_metrics(session: Session) -> dict[str, float]:
+    """Each metric of the eval step ("loss", and under preference tuning the rewards) averaged over
+    the validation batches."""
+    state, step = session.live.state, session.run.eval_step
+    values = [jax.device_get(step(state.params, state.base, b)) for b in session.val_batches()]
+    return {name: float(np.mean([v[name] for v in values])) for name in (values[0] if values else ["loss"])}
 
 
 def _record(session: Session, step: int, m: dict, timing: dict) -> dict:

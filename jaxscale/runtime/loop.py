@@ -51,7 +51,7 @@ def _stretch(session: Session, last: int, records: list[dict], user_hooks: tuple
 
 def evaluate(session: Session) -> float:
     """Mean loss over the held-out batches (train.eval_batches of them)."""
-    return hooks.mean_eval_loss(session)
+    return hooks.eval_metrics(session)["loss"]
 
 
 def train(config, workdir: str | Path, show_progress: bool = True, until: int | None = None,
