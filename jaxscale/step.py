@@ -96,10 +96,6 @@ def loss_fn(params: dict, batch: Batch, spec: StepSpec, count=None, base=None) -
     weights = lora.merge(params, base) if base else params
     if spec.preference.on:
         return preference.loss(spec.preference, spec.model, weights, reference(params, base, spec), batch)
-    return _lm_loss(weights, batch, spec, count)
-
-
-def _lm_loss(weights: dict, batch: Batch, spec: StepSpec, count=None) -> tuple[jax.Array, dict]:
     return spec.model.loss(weights, batch["inputs"], batch["targets"], batch.get("segments"), count)
 
 
@@ -227,7 +223,7 @@ def jit_eval_step(spec: StepSpec):
     params and frozen base): the mean cross entropy over its trained targets; under preference
     tuning the training's objective on the batch's pairs, against the same reference, with its
     rewards (jaxscale.preference.METRICS)."""
-    s, names = spec.state_shardings, ("loss", *(preference.METRICS if spec.preference.on else ()))
+    s, names = spec.state_shardings, ("loss", *spec.preference.metric_shapes)
 
     def fn(params, base, batch):
         batch, count = trained(batch)

@@ -326,9 +326,10 @@ def _note_async(computation: _Computation, name: str, opcode: str, rest: str, ca
     `async_collective_fusion` computations beside their compute and ends in
     `%async-collective-done.N`, each holding a copy of the collective, counted once, at its
     start), or a plain call."""
-    if _TPU_DONE.match(name) or _TPU_STEP.search(rest):
+    ends = _TPU_DONE.match(name)
+    if ends or _TPU_STEP.search(rest):
         computation.compute_only.update(callee for callee, _, _ in callees)
-    if _TPU_DONE.match(name):
+    if ends:
         computation.events.append(("done", name.replace("-done", "-start")))
         return
     wrapped = [key for callee, _, _ in callees for key in getattr(computations.get(callee), "own", {}) if AT in key]
@@ -374,26 +375,23 @@ def _convolution_flops(shape: str, rest: str, shapes: dict[str, str]) -> int:
     lhs_labels, rhs_labels, out_labels = labels.groups()
     window = _window(rest)
     macs = float(rhs_dims[rhs_labels.index("i")])
-    for d, size in enumerate(window.get("size", [])):
+    for d, size in enumerate(window["size"]):
         n, m = lhs_dims[lhs_labels.index(str(d))], out_dims[out_labels.index(str(d))]
-        pad = window["pad"][d] if "pad" in window else (0, 0)
-        taps = _taps_inside(n, m, size, pad[0], window.get("stride", [1] * len(window["size"]))[d],
-                            window.get("rhs_dilate", [1] * len(window["size"]))[d])
-        macs *= taps / m / window.get("lhs_dilate", [1] * len(window["size"]))[d]
+        taps = _taps_inside(n, m, size, window["pad"][d][0], window["stride"][d], window["rhs_dilate"][d])
+        macs *= taps / m / window["lhs_dilate"][d]
     return round(2 * math.prod(out_dims) * macs)
 
 
 def _window(rest: str) -> dict[str, list]:
-    """A convolution's window attributes: size, stride, lhs_dilate, rhs_dilate as lists of ints per
-    spatial dimension, pad as (low, high) pairs."""
+    """A convolution's window attributes per spatial dimension: size, stride, lhs_dilate and
+    rhs_dilate as ints (1 where absent), pad as (low, high) pairs ((0, 0) where absent)."""
     match = _WINDOW.search(rest)
-    result: dict[str, list] = {}
-    for item in (match.group(1).split() if match else []):
-        key, _, value = item.partition("=")
-        parts = value.split("x")
-        result[key] = [tuple(int(v) for v in p.split("_")) for p in parts] if key == "pad" else \
-            [int(p) for p in parts] if key != "rhs_reversal" else parts
-    return result
+    given = dict(item.partition("=")[::2] for item in (match.group(1).split() if match else []))
+    sizes = [int(p) for p in given["size"].split("x")] if "size" in given else []
+    window = {key: [int(p) for p in given[key].split("x")] if key in given else [1] * len(sizes)
+              for key in ("stride", "lhs_dilate", "rhs_dilate")}
+    pads = [tuple(int(v) for v in p.split("_")) for p in given["pad"].split("x")] if "pad" in given else None
+    return {"size": sizes, "pad": pads or [(0, 0)] * len(sizes), **window}
 
 
 def _taps_inside(n: int, m: int, k: int, low: int, stride: int, dilation: int) -> int:

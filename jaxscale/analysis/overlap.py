@@ -28,15 +28,12 @@ from jaxscale.analysis.plan_types import AxisOverlap, Window
 Counts = dict[tuple[str, int, float], float]  # (collective key, result bytes, FLOPs beside) -> runs
 
 
-def windows(computations: dict, entry: str, mesh_shape: Mapping[str, int], expected: bool = True
-            ) -> tuple[Window, ...]:
-    """Every collective one call of a parsed program (`hlo_stats.parse_module`) runs, with the
-    matmul FLOPs scheduled beside it, grouped: (axes, kind, bytes sent a run, FLOPs beside a run,
-    runs); with `expected`, a conditional's branches by their share."""
-    flops: dict[str, float] = {}
-    counts = _counts(entry, computations, {}, flops, expected)
+def windows(computations: dict, entry: str, mesh_shape: Mapping[str, int]) -> tuple[Window, ...]:
+    """Every collective one call of a parsed program (`hlo_stats.parse_module`) is expected to run
+    (a conditional's branches by their share), with the matmul FLOPs scheduled beside it, grouped:
+    (axes, kind, bytes sent a run, FLOPs beside a run, runs)."""
     rows: dict[tuple[str, str, float, float], float] = {}
-    for (key, nbytes, beside), runs in counts.items():
+    for (key, nbytes, beside), runs in _Schedule(computations).counts(entry).items():
         kind, spec = key.split(hlo_stats.AT, 1)
         axes, size = device_groups.describe(spec, mesh_shape)
         if axes in ("", device_groups.NONE):
@@ -47,67 +44,69 @@ def windows(computations: dict, entry: str, mesh_shape: Mapping[str, int], expec
                  for (a, k, sent, f), r in sorted(rows.items()))
 
 
-def _matmul_flops(name: str, computations, memo: dict, flops: dict[str, float], expected: bool) -> float:
-    """Matmul FLOPs of one run of computation `name`, callees included."""
-    if name not in flops:
-        totals = hlo_stats.computation_totals(name, computations, memo, expected)
-        flops[name] = float(totals.get("dot", [0, 0])[1] + totals.get("convolution", [0, 0])[1])
-    return flops[name]
+class _Schedule:
+    """A parsed module's computations, read for their collectives and what runs beside them;
+    each computation's FLOPs and collectives are worked out once."""
 
+    def __init__(self, computations: dict):
+        self.computations = computations
+        self._totals: dict = {}                 # hlo_stats.computation_totals' memo
+        self._flops: dict[str, float] = {}
+        self._counts: dict[str, Counts] = {}
 
-def _own(name: str, computations, memo: dict, flops: dict[str, float], expected: bool) -> Counts:
-    """The collectives computation `name` itself runs, each with the FLOPs beside it."""
-    events = computations[name].events
-    done, in_flight, beside = {}, {}, {}  # start name -> (key, bytes); accumulated FLOPs
-    own: Counts = {}
+    def matmul_flops(self, name: str) -> float:
+        """Matmul FLOPs of one run of computation `name`, callees included."""
+        if name not in self._flops:
+            totals = hlo_stats.computation_totals(name, self.computations, self._totals, expected=True)
+            self._flops[name] = float(totals.get("dot", [0, 0])[1] + totals.get("convolution", [0, 0])[1])
+        return self._flops[name]
 
-    def compute(amount: float) -> None:
-        for start in in_flight:
-            beside[start] += amount / len(in_flight)
+    def own(self, name: str) -> Counts:
+        """The collectives computation `name` itself runs, each with the FLOPs beside it."""
+        done, in_flight, beside = {}, {}, {}  # start name -> (key, bytes); accumulated FLOPs
+        own: Counts = {}
 
-    # Twice round: a collective a loop's trip starts and the next trip finishes (pipelined) meets
-    # its done on the second pass; only starts of the first pass are windows.
-    for lap in (0, 1):
-        for event in events:
-            tag = event[0]
-            if tag == "start" and lap == 0:
-                in_flight[event[1]], beside[event[1]] = (event[2], event[3]), 0.0
-            elif tag == "done" and event[1] in in_flight:
-                done[event[1]] = (*in_flight.pop(event[1]), beside.pop(event[1]))
-            elif tag == "sync" and lap == 0:
-                key = (event[1], event[2], 0.0)
-                own[key] = own.get(key, 0.0) + 1
-            elif tag == "flops":
-                compute(event[1])
-            elif tag == "call":
-                compute(event[2] * _matmul_flops(event[1], computations, memo, flops, expected))
-    for key, nbytes, amount in [*done.values(), *((k, b, beside[s]) for s, (k, b) in in_flight.items())]:
-        row = (key, nbytes, float(round(amount)))
-        own[row] = own.get(row, 0.0) + 1
-    return own
+        def compute(amount: float) -> None:
+            for start in in_flight:
+                beside[start] += amount / len(in_flight)
 
+        # Twice round: a collective a loop's trip starts and the next trip finishes (pipelined)
+        # meets its done on the second pass; only starts of the first pass are windows.
+        for lap in (0, 1):
+            for event in self.computations[name].events:
+                tag = event[0]
+                if tag == "start" and lap == 0:
+                    in_flight[event[1]], beside[event[1]] = (event[2], event[3]), 0.0
+                elif tag == "done" and event[1] in in_flight:
+                    done[event[1]] = (*in_flight.pop(event[1]), beside.pop(event[1]))
+                elif tag == "sync" and lap == 0:
+                    key = (event[1], event[2], 0.0)
+                    own[key] = own.get(key, 0.0) + 1
+                elif tag == "flops":
+                    compute(event[1])
+                elif tag == "call":
+                    compute(event[2] * self.matmul_flops(event[1]))
+        for key, nbytes, amount in [*done.values(), *((k, b, beside[s]) for s, (k, b) in in_flight.items())]:
+            row = (key, nbytes, float(round(amount)))
+            own[row] = own.get(row, 0.0) + 1
+        return own
 
-def _counts(name: str, computations, memo: dict, flops: dict[str, float], expected: bool,
-            cache: dict[str, Counts] | None = None) -> Counts:
-    """The collectives of one run of computation `name`, callees included (a continuation of
-    another's collective is not one)."""
-    cache = {} if cache is None else cache
-    if name in cache:
-        return cache[name]
-    total = _own(name, computations, memo, flops, expected)
-    computation = computations[name]
-    for callee, runs, share in computation.calls:
-        if callee in computation.compute_only or callee in computation.wrapped:
-            continue  # a continuation of a collective, or the one a start event stands for
-        times = runs * share if expected else runs
-        for row, n in _counts(callee, computations, memo, flops, expected, cache).items():
-            total[row] = total.get(row, 0.0) + times * n
-    cache[name] = total
-    return total
+    def counts(self, name: str) -> Counts:
+        """The collectives of one run of computation `name`, callees included (a continuation of
+        another's collective is not one)."""
+        if name not in self._counts:
+            total, computation = self.own(name), self.computations[name]
+            for callee, runs, share in computation.calls:
+                if callee in computation.compute_only or callee in computation.wrapped:
+                    continue  # a continuation of a collective, or the one a start event stands for
+                for row, n in self.counts(callee).items():
+                    total[row] = total.get(row, 0.0) + runs * share * n
+            self._counts[name] = total
+        return self._counts[name]
 
 
 def by_axis(windows_: tuple[Window, ...], machine=None, link=None) -> dict[str, AxisOverlap]:
-    """Per mesh axes: bytes sent, bytes sent asynchronously, the FLOPs beside them and, given a
+    """Per mesh axes: bytes sent, bytes sent beside matmuls, those matmuls' FLOPs and, given a
     machine and `link(axes) -> bytes/s`, the bytes their compute hides and the exposed rest."""
     table: dict[str, dict[str, float]] = {}
     for w in windows_:

@@ -170,8 +170,9 @@ class Window(_Record):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class AxisOverlap(_Record):
     """One group of mesh axes' collectives a step: bytes each device sends, the part sent by
-    asynchronous collectives, the matmul FLOPs scheduled beside them, and on a named target the
-    bytes that compute can hide at its link and matmul rates and the exposed rest."""
+    asynchronous collectives with matmuls scheduled beside them (`async_bytes`), those matmuls'
+    FLOPs, and on a named target the bytes that compute can hide at its link and matmul rates
+    and the exposed rest."""
 
     sent_bytes: float
     async_bytes: float
