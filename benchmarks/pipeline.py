@@ -63,7 +63,7 @@ def main() -> None:
     _common.add_flags(parser)
     args = parser.parse_args()
     if args.smoke:  # a layer a stage: the tables, ticks and transfers do not depend on the layers
-        args.schedules, args.microbatches, args.steps, args.seq_len, args.layers = "gpipe,1f1b", "2,4", 1, 32, 2
+        args.schedules, args.microbatches, args.steps, args.seq_len, args.layers = "1f1b", "2,4", 1, 32, 2
     _common.fake_cpu_devices(args.stages)
     schedules, counts, p = args.schedules.split(","), [int(x) for x in args.microbatches.split(",")], args.stages
     batch = max(counts)

@@ -118,10 +118,10 @@ def test_first_digests_compile_in_the_background_and_read_a_copy_of_the_saved_ar
 
 
 def test_rotation_keeps_the_newest_and_every_nth(tiny_config, tmp_path):
-    tiny_config.checkpoint.update(every_steps=5, max_to_keep=2, keep_every=10)
-    tiny_config.train.steps = 25
+    tiny_config.checkpoint.update(every_steps=1, max_to_keep=2, keep_every=2)
+    tiny_config.train.update(steps=5, eval_every=0)
     train(tiny_config, tmp_path, show_progress=False)
-    assert _committed(tmp_path) == [10, 20, 25]
+    assert _committed(tmp_path) == [2, 4, 5]  # the newest 2 and every 2nd; 1 and 3 deleted
     assert not list((tmp_path / "checkpoints").glob("*tmp*"))
 
 

@@ -105,11 +105,13 @@ def test_splash_kernel_matches_reference(documents):
     _assert_matches(ours, q, k, v, segments)
 
 
+# Segment ids are always passed (without documents: all zero), so the same code runs with documents
+# or without: each shape runs one way, each shard count both ways.
 @pytest.mark.parametrize("mode", ["ring", "all_gather"])
 @pytest.mark.parametrize("shards, heads, kv_heads, documents", [
-    (2, 6, 2, False), (2, 5, 5, False), (2, 6, 2, True),   # grouped-query; odd head count
+    (2, 6, 2, True), (2, 5, 5, False),   # grouped-query; odd head count
     (4, 3, 1, False), (4, 4, 4, False), (4, 4, 2, True),   # multi-query with an odd head count; multi-head
-    (8, 6, 2, False), (8, 5, 5, False), (8, 6, 2, True),
+    (8, 6, 2, True), (8, 5, 5, False),
 ])
 def test_context_parallel_matches_reference(mode, shards, heads, kv_heads, documents):
     layout = make_layout(sequence=shards)
@@ -125,7 +127,7 @@ def test_context_parallel_matches_reference(mode, shards, heads, kv_heads, docum
 
 
 @pytest.mark.parametrize("shards, heads, kv_heads, documents", [
-    (2, 6, 2, False), (2, 6, 2, True), (4, 4, 4, False),
+    (2, 6, 2, True), (4, 4, 4, False),
     (4, 4, 2, True),   # too few key/value heads to split: repeated to one per query head
 ])
 def test_ulysses_matches_reference(shards, heads, kv_heads, documents):

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import LazyModule, run_cli
+from conftest import LazyModule, main_cli, run_cli
 from jaxscale import config as config_lib
 from jaxscale.checkpoint import load_params
 from jaxscale.convert import to_hf
@@ -48,7 +48,7 @@ def _hf_llama(path):
 
 def test_import_fine_tune_resume_and_export(tmp_path):
     imported = tmp_path / "imported"
-    done = run_cli(["from-hf", str(_hf_llama(tmp_path / "hf")), str(imported)], module="jaxscale.convert", devices=1)
+    done = main_cli(["from-hf", str(_hf_llama(tmp_path / "hf")), str(imported)], module="jaxscale.convert")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "--config.checkpoint.init_from=" in done.stdout
     config = config_lib.load(str(imported / "config.json"))

@@ -1,7 +1,7 @@
 """The launcher restarts a job with the processes that remain: 4 processes x 2 CPU devices, one
-killed (SIGKILL, as a lost host) mid-run; 3 start again, resume the last checkpoint on 6 devices
-and finish, with the losses of an uninterrupted run resumed from that step; with local
-checkpoints they resume from host memory and lose at most the steps since the last local copy."""
+killed (SIGKILL, as a lost host) mid-run; 3 start again, resume from host memory (local
+checkpoints: at most the steps since the last local copy are lost) on 6 devices and finish, with
+the losses of an uninterrupted 6-device run from the last persistent checkpoint."""
 
 import json
 import shutil
@@ -54,22 +54,6 @@ def _run_killing_one(workdir, at_step: int, extra=(), after_kill=lambda: None) -
     return out, int(said.split("resuming from step ")[1].split()[0])
 
 
-def test_a_killed_process_restarts_the_job_with_the_others(tmp_path):
-    workdir = tmp_path / "job"
-    out, resumed = _run_killing_one(workdir, at_step=7)
-    # The restarted job resumed the last checkpoint before the kill and finished on 6 devices.
-    assert 5 <= resumed < STEPS and resumed % 5 == 0
-    # An uninterrupted run of the same global batch on 6 devices from that checkpoint.
-    reference = tmp_path / "reference"
-    (reference / "checkpoints").mkdir(parents=True)
-    shutil.copytree(workdir / "checkpoints" / str(resumed), reference / "checkpoints" / str(resumed))
-    done = run_cli(_train_args(reference), devices=6)
-    assert done.returncode == 0, done.stderr[-3000:]
-    got, want = _losses(workdir), _losses(reference)
-    assert sorted(want) == list(range(resumed + 1, STEPS + 1))
-    np.testing.assert_allclose([got[s] for s in sorted(want)], [want[s] for s in sorted(want)], rtol=1e-5)
-
-
 def test_a_device_that_answers_wrong_stops_the_job_before_it_compiles(tmp_path):
     cmd = [sys.executable, "-m", "jaxscale.launch", "--nproc=2", "--devices_per_proc=2", "--",
            sys.executable, "-m", "jaxscale.train", *_train_args(tmp_path)]
@@ -83,15 +67,16 @@ def test_a_device_that_answers_wrong_stops_the_job_before_it_compiles(tmp_path):
     assert "compiled the train step" not in out and not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_local_checkpoints_lose_at_most_two_steps_when_a_host_is_lost(tmp_path):
+def test_a_lost_host_restarts_the_job_from_local_checkpoints_as_an_uninterrupted_run(tmp_path):
     """ZeRO-3 (each process holds a quarter of the state); local copies every 2 steps, persistent
     every 10, one directory per process as on separate hosts; process 3 is killed at step 15 and
     its copies go with it: the 3 left restore the newest local step from their own blocks and
-    process 0's replica of process 3's, not step 10."""
+    process 0's replica of process 3's, not step 10, and finish on 6 devices with the losses of an
+    uninterrupted 6-device run from the persistent step 10."""
     workdir, local = tmp_path / "job", tmp_path / "local"
+    extra = ["zero_stage=3", "checkpoint.every_steps=10"]
     out, resumed = _run_killing_one(workdir, at_step=15, after_kill=lambda: shutil.rmtree(local / "host3"),
-                                    extra=["zero_stage=3", "checkpoint.every_steps=10",
-                                           "checkpoint.local_every_steps=2",
+                                    extra=[*extra, "checkpoint.local_every_steps=2",
                                            f"checkpoint.local_dir='{local}/host{{process}}'"])
     text = "".join(out)
     assert resumed >= 13, text[-3000:]  # at most 2 steps lost
@@ -103,3 +88,13 @@ def test_local_checkpoints_lose_at_most_two_steps_when_a_host_is_lost(tmp_path):
     # The step after the resume computes what the killed job computed (8 devices then, 6 now).
     np.testing.assert_allclose(last[resumed + 1], first[resumed + 1], rtol=1e-5)
     assert not any(local.iterdir())  # the finished job's copies are gone
+    # An uninterrupted run of the same global batch on 6 devices from the persistent step 10.
+    reference = tmp_path / "reference"
+    (reference / "checkpoints").mkdir(parents=True)
+    shutil.copytree(workdir / "checkpoints" / "10", reference / "checkpoints" / "10")
+    done = run_cli([*_train_args(reference), *(f"--config.{o}" for o in extra)], devices=6)
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = _losses(reference)
+    assert sorted(want) == list(range(11, STEPS + 1))
+    np.testing.assert_allclose([last[s] for s in range(resumed + 1, STEPS + 1)],
+                               [want[s] for s in range(resumed + 1, STEPS + 1)], rtol=1e-5)

@@ -6,7 +6,10 @@ lowering, and keeps none of those; one setting turns both off."""
 import json
 import shutil
 
-from conftest import run_cli
+import jax
+
+from conftest import run_cli, small_config
+from jaxscale.runtime import jax_cache, program_cache
 
 ARGS = ["--config=configs/tiny.py", "--config.train.steps=2", "--config.train.eval_every=0",
         "--config.model.num_layers=1", "--config.checkpoint.every_steps=0"]
@@ -38,6 +41,12 @@ def test_a_second_start_loads_the_step_from_the_cache(tmp_path):
     assert not any((cache / "programs").glob("*")), "a program JAX's cache loaded is not kept (it would not run)"
 
 
-def test_one_setting_turns_it_off(tmp_path):
-    out = _start(tmp_path, "c", "--config.xla.compile_cache=False", f"--config.xla.compile_cache_dir={tmp_path / 'x'}")
-    assert "compiled programs cached" not in out and not (tmp_path / "x").exists()
+def test_one_setting_turns_it_off(tmp_path, monkeypatch):
+    """What a run's session does first (jaxscale.runtime.session): xla.compile_cache=False turns
+    JAX's cache off (and with it the program cache), and no directory is made."""
+    monkeypatch.setenv(program_cache.ENV, "1")  # as a run sets it when the cache is on
+    config = small_config()
+    config.xla.update(compile_cache=False, compile_cache_dir=str(tmp_path / "x"))
+    assert jax_cache.enable(config.xla) is None  # no "compiled programs cached" note
+    assert not jax.config.jax_enable_compilation_cache and program_cache.directory() is None
+    assert not (tmp_path / "x").exists()

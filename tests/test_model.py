@@ -1,6 +1,7 @@
 """The transformer: shapes, causality, named axes, remat policies, structure options."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,25 @@ SPECS = {
 
 def _tokens(shape=(2, 16), vocab=100, seed=0):
     return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, shape), jnp.int32)
+
+
+def _loss_and_grads(spec):
+    """(loss, grads, compiled program's text) of the mean logsumexp of `spec`'s logits on _tokens(),
+    at the parameters of seed 0: jitted value_and_grad, compiled once."""
+    model = LanguageModel(spec)
+    params, tokens = model.init(jax.random.PRNGKey(0)), _tokens()
+
+    def loss(p):
+        return jnp.mean(jax.nn.logsumexp(model.apply(p, tokens), -1))
+
+    compiled = jax.jit(jax.value_and_grad(loss)).lower(params).compile()
+    return (*compiled(params), compiled.as_text())
+
+
+@functools.cache
+def _scanned_llama(remat):
+    """_loss_and_grads of the scanned llama_gqa_untied with `remat`, which several tests compare against."""
+    return _loss_and_grads(dataclasses.replace(SPECS["llama_gqa_untied"], remat=remat))
 
 
 @pytest.mark.parametrize("name", SPECS)
@@ -55,16 +75,7 @@ def test_stacked_layers_have_leading_layer_dim():
 
 
 def test_remat_policies_give_same_loss_and_grads():
-    results = []
-    for remat in ("none", "full", "dots_saveable"):
-        spec = ModelSpec(**{**SPECS["llama_gqa_untied"].__dict__, "remat": remat})
-        model = LanguageModel(spec)
-        params = model.init(jax.random.PRNGKey(0))
-
-        def loss(p, model=model):
-            return jnp.mean(jax.nn.logsumexp(model.apply(p, _tokens()), -1))
-
-        results.append(jax.jit(jax.value_and_grad(loss))(params))
+    results = [_scanned_llama(remat)[:2] for remat in ("none", "full", "dots_saveable")]
     for loss, grads in results[1:]:
         np.testing.assert_allclose(loss, results[0][0], rtol=1e-6)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads, results[0][1])
@@ -159,18 +170,9 @@ def test_a_packed_document_gives_the_logits_it_gives_alone(name):
 def test_unrolled_layers_are_the_scanned_function_without_the_loop(remat):
     """model.layer_loop: the same parameters (still stacked), the same loss and gradients; the
     unrolled program has no loop left."""
-    tokens, out = _tokens(), {}
-    for scan in (True, False):
-        model = LanguageModel(ModelSpec(**{**SPECS["llama_gqa_untied"].__dict__, "remat": remat, "scan_layers": scan}))
-        params = model.init(jax.random.PRNGKey(0))
-
-        def loss(p, model=model):
-            return jnp.mean(jax.nn.logsumexp(model.apply(p, tokens), -1))
-
-        step = jax.jit(jax.value_and_grad(loss))
-        out[scan] = step(params), step.lower(params).compile().as_text()
-    (loss_s, grads_s), scanned = out[True]
-    (loss_u, grads_u), unrolled = out[False]
+    loss_s, grads_s, scanned = _scanned_llama(remat)
+    spec = dataclasses.replace(SPECS["llama_gqa_untied"], remat=remat, scan_layers=False)
+    loss_u, grads_u, unrolled = _loss_and_grads(spec)
     np.testing.assert_allclose(loss_u, loss_s, rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads_u, grads_s)
     # The scan's loops (forward and backward) hold the blockwise attention's own loops inside.
@@ -243,18 +245,10 @@ def test_cpu_projection_is_the_einsum_with_the_same_gradients(k, x_shape, w_shap
 
 @pytest.mark.parametrize("remat", ["none", "dots_saveable"])
 def test_the_cpu_formulation_gives_the_same_loss_and_grads(remat):
-    tokens, out = _tokens(), []
-    for name in SPECS:
-        for cpu in (False, True):
-            model = LanguageModel(ModelSpec(**{**SPECS[name].__dict__, "remat": remat, "cpu_matmul": cpu,
-                                               "scan_layers": not cpu}))
-            params = model.init(jax.random.PRNGKey(0))
-
-            def loss(p, model=model):
-                return jnp.mean(jax.nn.logsumexp(model.apply(p, tokens), -1))
-
-            out.append(jax.jit(jax.value_and_grad(loss))(params))
-    for (loss_a, grads_a), (loss_b, grads_b) in (out[0:2], out[2:4]):
+    for name, spec in SPECS.items():
+        loss_a, grads_a, _ = (_scanned_llama(remat) if name == "llama_gqa_untied"
+                              else _loss_and_grads(dataclasses.replace(spec, remat=remat)))
+        loss_b, grads_b, _ = _loss_and_grads(dataclasses.replace(spec, remat=remat, cpu_matmul=True, scan_layers=False))
         np.testing.assert_allclose(loss_b, loss_a, rtol=1e-6)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), grads_b, grads_a)
 

@@ -72,14 +72,14 @@ def _config(*overrides):
     return config
 
 
-POD_LAYOUTS = {"fsdp64": ["mesh.fsdp=64"], "zero1_data64": ["mesh.data=64", "zero_stage=1"],
-               "zero3_data64": ["mesh.data=64", "zero_stage=3"]}
+# FSDP's share on a pod is pod_fsdp32's below (and the Llama-3-8B slice's).
+POD_LAYOUTS = {"zero1_data64": ["mesh.data=64", "zero_stage=1"], "zero3_data64": ["mesh.data=64", "zero_stage=3"]}
 
 
 @pytest.fixture(scope="module")
 def pod_plans():
-    """A small model (tiny.py at d_model 256) compiled for 64 v5e chips: fsdp over all of them,
-    and data with ZeRO-1 and ZeRO-3. (At 256 chips each compile took 15.1 s of CPU against 6.0 s
+    """A small model (tiny.py at d_model 256) compiled for 64 v5e chips: data with ZeRO-1 and
+    ZeRO-3. (At 256 chips each compile took 15.1 s of CPU against 6.0 s
     here; the 128-chip slice is configs/llama3_8b.py's below.)"""
     devices, _ = topology.compile_only_devices("v5e-64")
     return {name: plan_lib.make_plan(_config(*o), "tpu", devices) for name, o in POD_LAYOUTS.items()}
@@ -97,7 +97,6 @@ def pod_plans():
 L4 = 4 * 2 + 2
 TPU_COLLECTIVES_SPEC = {
     "data8": {("all-reduce", "data"): lambda s: 2 * 7 / 8 * s.w},
-    "zero2": {("reduce-scatter", "data"): lambda s: 7 / 8 * s.w, ("all-gather", "data"): lambda s: 7 / 8 * s.w},
     "zero2_accum4": {("reduce-scatter", "data"): lambda s: 4 * 7 / 8 * s.w,  # per microbatch
                      ("all-gather", "data"): lambda s: 7 / 8 * s.w},
     "tensor4": {("all-reduce", "tensor"): lambda s: 2 * 3 / 4 * L4 * s.a,
@@ -110,7 +109,7 @@ TPU_COLLECTIVES_SPEC = {
                         ("all-reduce", "data"): lambda s: 2 * 3 / 4 * s.layers * s.layer / 2},
 }
 TENSOR4 = ["mesh.data=2", "mesh.tensor=4", "model.num_kv_heads=4"]
-TPU_LAYOUTS = {"data8": ["mesh.data=8"], "zero2": ["mesh.data=8", "zero_stage=2"],
+TPU_LAYOUTS = {"data8": ["mesh.data=8"],
                "zero2_accum4": ["mesh.data=8", "zero_stage=2", "train.global_batch_size=32",
                                 "train.grad_accum_steps=4"],
                "tensor4": [*TENSOR4, "sharding.sequence_parallel=False"], "tensor4_sp": TENSOR4,
@@ -304,16 +303,11 @@ def test_by_default_a_pods_weight_gathers_run_beside_the_layers_matmuls(pod_fsdp
     weight all-gather is split into steps inside the compute fusions scheduled before the matmul
     that reads it: read from the schedule, 0.45 of the gathered bytes are sent beside matmuls
     (libtpu 0.0.42.1; the compiler's choice, the same on any host). Without them every gather
-    blocks. Either way the same collectives are sent, counted once (not once per step of a
-    chain)."""
+    blocks (docs/planning.md). A chain's collective is counted once, not once per step: the
+    gathered bytes are the ring arithmetic's (test_a_pod_gathers_weights...)."""
     config, plan, _ = pod_fsdp32
-    devices, _ = topology.compile_only_devices("v5p-64")
-    off = cli.load_config(str(ROOT / "configs" / "llama3_8b.py"), [*POD, "xla.tpu_defaults=False"])
-    blocking = plan_lib.make_plan(off, "tpu", devices)
-    (sent, beside), (sent_off, beside_off) = _gathers(plan), _gathers(blocking)
-    assert sent == pytest.approx(sent_off) and beside_off == 0
+    sent, beside = _gathers(plan)
     assert beside > 0.4 * sent
-    assert plan["collectives"] == blocking["collectives"]
     row = plan["overlap"]["fsdp"]
     assert row["async_bytes"] >= beside and row["flops_beside"] > 0
 

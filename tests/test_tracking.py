@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import LazyModule, main_cli, run_cli
+from conftest import LazyModule, main_cli
 from jaxscale import report, tracking
 from jaxscale.errors import ConfigError
 from jaxscale.runtime.loop import train
@@ -96,10 +96,10 @@ def test_run_report_and_comparison(tiny_config, tmp_path, monkeypatch):
     tiny_config.tracking.report_every_minutes = 10  # the default: a run this short draws it once, at the end
     train(tiny_config, tmp_path / "b", show_progress=False)
     assert written[2:] == [tmp_path / "b"]
-    done = run_cli(["--workdir=" + str(tmp_path / "a"), "--compare", str(tmp_path / "b")], module="jaxscale.report",
-                   devices=1)
+    monkeypatch.undo()  # the command below calls report.write itself
+    done = main_cli(["--workdir=" + str(tmp_path / "a"), "--compare", str(tmp_path / "b")], module="jaxscale.report")
     assert done.returncode == 0, done.stderr[-2000:]
     assert ("| a | 6 |" in (tmp_path / "a" / "report.md").read_text()
             and "| b | 6 |" in (tmp_path / "a" / "report.md").read_text())
-    bad = run_cli(["--workdir=" + str(tmp_path / "nothing")], module="jaxscale.report", devices=1)
+    bad = main_cli(["--workdir=" + str(tmp_path / "nothing")], module="jaxscale.report")
     assert bad.returncode == 2 and "has no metrics.jsonl" in bad.stderr
