@@ -30,8 +30,7 @@ def layouts(devices: int, smoke: bool = False) -> dict[str, list[str]]:
     """Row name -> overrides; with smoke, dense and expert=2 only."""
     dropless = ["model.moe.capacity_factor=0"]
     if smoke:
-        return {"dense, data": ["model.moe.num_experts=0"], "moe dropless, data": dropless,
-                "moe, expert=2": ["mesh.expert=2"]}
+        return {"dense, data": ["model.moe.num_experts=0"], "moe, expert=2": ["mesh.expert=2"]}
     rows = {"dense, data": ["model.moe.num_experts=0"], "moe, data": [], "moe dropless, data": dropless}
     for experts in sorted({2, 4, devices}):
         if experts <= devices and devices % experts == 0:

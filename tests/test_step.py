@@ -117,10 +117,10 @@ def deep_reference(optim_cfg):
 
 
 # (schedule, virtual stages, mesh): every schedule on 2 and 4 stages; 1f1b's and interleaved_1f1b's
-# 2-stage tables beside data and tensor (gpipe's: test_gpipe_with_accumulation, beside data); with
-# sequence > 1 the gpipe forward differentiated by autodiff (the executor refuses it)
+# 2-stage tables beside data and tensor (gpipe's: test_gpipe_with_accumulation, beside data;
+# zero_bubble's split backward on 2 stages: the schedule-file test below and tests/test_moe.py);
+# with sequence > 1 the gpipe forward differentiated by autodiff (the executor refuses it)
 SCHEDULES = {
-    "zero_bubble_pipeline2": ("zero_bubble", 1, dict(pipeline=2)),
     "circular_pipeline2": ("circular", 2, dict(pipeline=2)),
     "gpipe_pipeline4": ("gpipe", 1, dict(pipeline=4)),
     "1f1b_pipeline4": ("1f1b", 1, dict(pipeline=4)),
