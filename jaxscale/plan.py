@@ -139,15 +139,15 @@ def _by_axis_table(by_axis: ByAxis) -> str:
 def _overlap_table(plan: Plan) -> str:
     """What the schedule runs beside each axis group's collectives, and on a named target how
     much of them that hides."""
-    priced = plan.topology is not None
+    on_target = plan.topology is not None
     rows = ["overlap (the compiled schedule: matmuls between each asynchronous collective's start and done)"
-            + ("" if priced else "; hidden and exposed bytes need a target's rates: --topology"),
+            + ("" if on_target else "; hidden and exposed bytes need a target's rates: --topology"),
             f"{'over':<20}{'MiB sent':>12}{'async':>8}{'TFLOP beside':>14}"
-            + (f"{'hidden':>8}{'MiB exposed':>14}" if priced else "")]
+            + (f"{'hidden':>8}{'MiB exposed':>14}" if on_target else "")]
     for axes, row in plan.overlap.items():
         line = (f"{axes:<20}{row.sent_bytes / 2**20:>12.1f}{_share(row.async_bytes, row.sent_bytes):>8}"
                 f"{row.flops_beside / 1e12:>14.3f}")
-        if priced and row.hidden_bytes is not None:
+        if on_target and row.hidden_bytes is not None:
             line += f"{_share(row.hidden_bytes, row.sent_bytes):>8}{row.exposed_bytes / 2**20:>14.1f}"
         rows.append(line)
     return "\n".join(rows)

@@ -50,16 +50,6 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
-@pytest.fixture(autouse=True)
-def _persistent_cache_stays_on():
-    """A plan for a TPU or GPU topology run in this process (`plan --topology`, as a user's
-    process would) turns JAX's persistent cache off for the rest of the process: it would store
-    programs a compile-only client cannot load. Every later test in the worker would then compile
-    what the cache holds; put the suite's setting back after each test."""
-    yield
-    jax.config.update("jax_enable_compilation_cache", True)
-
-
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -47,6 +47,10 @@ def test_one_setting_turns_it_off(tmp_path, monkeypatch):
     monkeypatch.setenv(program_cache.ENV, "1")  # as a run sets it when the cache is on
     config = small_config()
     config.xla.update(compile_cache=False, compile_cache_dir=str(tmp_path / "x"))
-    assert jax_cache.enable(config.xla) is None  # no "compiled programs cached" note
-    assert not jax.config.jax_enable_compilation_cache and program_cache.directory() is None
+    was = jax.config.jax_enable_compilation_cache
+    try:
+        assert jax_cache.enable(config.xla) is None  # no "compiled programs cached" note
+        assert not jax.config.jax_enable_compilation_cache and program_cache.directory() is None
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
     assert not (tmp_path / "x").exists()

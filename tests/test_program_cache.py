@@ -111,6 +111,11 @@ def test_off_unless_turned_on(monkeypatch):
     monkeypatch.delenv(program_cache.ENV, raising=False)
     assert program_cache.directory() is None and program_cache.key("f", small_config(), DEVICES) is None
     monkeypatch.setenv(program_cache.ENV, "1")  # the suite's JAX cache directory is set (conftest)
-    assert program_cache.directory() == Path(jax.config.jax_compilation_cache_dir) / "programs"
-    jax.config.update("jax_enable_compilation_cache", False)  # xla.compile_cache=False (conftest turns it back on)
-    assert program_cache.directory() is None
+    was = jax.config.jax_enable_compilation_cache  # another test's run may have turned it off (xla.compile_cache)
+    try:
+        jax.config.update("jax_enable_compilation_cache", True)
+        assert program_cache.directory() == Path(jax.config.jax_compilation_cache_dir) / "programs"
+        jax.config.update("jax_enable_compilation_cache", False)  # xla.compile_cache=False
+        assert program_cache.directory() is None
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
