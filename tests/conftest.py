@@ -6,6 +6,7 @@ again and again, and on 2 cores compiling is a large share of the suite's time.
 """
 
 import atexit
+import contextlib
 import gc
 import os
 import shutil
@@ -232,7 +233,6 @@ def main_cli(args, module: str = "jaxscale.train"):
     captured, returned as a CompletedProcess. The same command as `run_cli` with 8 devices and
     FAST_COMPILE (this process's devices and flags), without a fresh interpreter importing the
     whole stack again (about 9 s of CPU a run); for runs that need no process of their own."""
-    import contextlib
     import importlib
     import io
     import subprocess
@@ -250,6 +250,29 @@ def start_cli(args, devices: int = 8, module: str = "jaxscale.train", flags: str
 
     return subprocess.Popen(_command(module, args), cwd=ROOT, env=cli_env(devices, flags),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@contextlib.contextmanager
+def fast_run_steps():
+    """Train steps built inside compile at FAST_RUN's optimisation level (XLA's per-compile
+    options, jaxscale.runtime.xla_flags): for a test that runs tens of steps in this process, whose
+    flags are FAST_COMPILE's (test_fp8's six 50-step runs: 32 against 24 s of CPU, measured)."""
+    from jaxscale.runtime import xla_flags
+
+    options = xla_flags.compiler_options
+
+    def faster(xla_cfg, platform, env=None):
+        return options(xla_cfg, platform, env) + ((("xla_backend_optimization_level", 1),) if platform == "cpu" else ())
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(xla_flags, "compiler_options", faster)
+        yield
+
+
+@pytest.fixture
+def fast_run():
+    with fast_run_steps():
+        yield
 
 
 assert jax.device_count() == 8, "tests expect 8 fake CPU devices; was jax imported before conftest?"
