@@ -48,12 +48,10 @@ lint: $(TEST_STAMP)
 # (tests/conftest.py); compiling is single-threaded; a third worker on two cores only added
 # contention (CONTRIBUTING.md).
 # Compiled programs are cached per session.
-# Tests marked serial measure contention between processes and run alone afterwards, collected
-# from the files that mark any (collecting every file again took 9.6 s, these 0.8 s).
-SERIAL_FILES = $(shell grep -l 'pytest.mark.serial' tests/test_*.py)
+# Tests marked serial measure contention between processes and run alone afterwards.
 test: lint $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not serial" tests
-	$(BIN)/python -m pytest -q -m serial $(SERIAL_FILES)
+	$(BIN)/python -m pytest -q -m serial tests
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

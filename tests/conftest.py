@@ -254,7 +254,7 @@ def start_cli(args, devices: int = 8, module: str = "jaxscale.train", flags: str
 
 @contextlib.contextmanager
 def fast_run_steps():
-    """Train steps built inside compile at FAST_RUN's optimisation level (XLA's per-compile
+    """Steps built inside this block compile at FAST_RUN's optimisation level (XLA's per-compile
     options, jaxscale.runtime.xla_flags): for a test that runs tens of steps in this process, whose
     flags are FAST_COMPILE's (test_fp8's six 50-step runs: 32 against 24 s of CPU, measured)."""
     from jaxscale.runtime import xla_flags
@@ -266,12 +266,6 @@ def fast_run_steps():
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(xla_flags, "compiler_options", faster)
-        yield
-
-
-@pytest.fixture
-def fast_run():
-    with fast_run_steps():
         yield
 
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, fast_run_steps
 from jaxscale import cli
 from jaxscale.build import build
 from jaxscale.errors import ConfigError
@@ -54,18 +54,19 @@ def _trained(fp8_on: bool, seed: int, workdir, steps: int = 50) -> tuple[float, 
     return losses[0], statistics.mean(losses[-10:])
 
 
-def test_tiny_trains_in_fp8_beside_bfloat16(tmp_path, fast_run):
+def test_tiny_trains_in_fp8_beside_bfloat16(tmp_path):
     """50 steps from each of 3 seeds: from each seed fp8 starts where bfloat16 does and its loss
     falls by at least half as much, and its mean final loss over the seeds is within twice
     bfloat16's own spread over them. A short CPU run's loss depends on the machine's code
     generation (200 steps read fp8 2.597 against bfloat16 2.861 on one x86 VM, 2.682 against 2.722
     on another), so the bound is the runs' own noise, not a fixed share. Measured on a 2-core Intel
-    Xeon VM, steps compiled at -O1 (fast_run): bfloat16 ends 3.171, 3.118, 2.995 (spread 0.176, so
+    Xeon VM, steps compiled at -O1 (fast_run_steps): bfloat16 ends 3.171, 3.118, 2.995 (spread 0.176, so
     the bound is 0.35), fp8 3.112, 3.198, 2.979 (means 0.001 apart); from starts of 5.04-5.50 each
     seed's fp8 fell 0.97-1.03 as far as its bfloat16. (At -O0 on a 2-core AMD EPYC VM: bfloat16
     spread 0.095, means 0.012 apart, falls 0.95-1.02.)"""
-    bf16 = [_trained(False, seed, tmp_path / f"bf16_{seed}") for seed in SEEDS]
-    fp8_runs = [_trained(True, seed, tmp_path / f"fp8_{seed}") for seed in SEEDS]
+    with fast_run_steps():
+        bf16 = [_trained(False, seed, tmp_path / f"bf16_{seed}") for seed in SEEDS]
+        fp8_runs = [_trained(True, seed, tmp_path / f"fp8_{seed}") for seed in SEEDS]
     for (start16, end16), (start8, end8) in zip(bf16, fp8_runs):
         assert start8 == pytest.approx(start16, rel=0.02)
         assert start8 - end8 > 0.5 * (start16 - end16), (start16, end16, start8, end8)
