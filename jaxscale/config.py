@@ -55,6 +55,8 @@ def _adapters() -> dict:
         targets="q,k,v,o,gate,up,down",  # the projections given adapters: attention's q, k, v, o and the
                                    # MLP's gate, up, down (GELU MLPs: in, out)
         base_dtype="float32",      # the frozen base's storage dtype: bfloat16 halves it
+        dropout=0.0,               # PEFT's lora_dropout: each element of an adapter's input dropped
+                                   # with this probability in training steps (0 = none)
     )
 
 

@@ -91,7 +91,8 @@ def check(config) -> None:
 def log_probs(model, weights: dict, batch: dict) -> tuple[jax.Array, jax.Array, dict]:
     """(each row's summed log-probability of its trained targets [rows], how many they are [rows],
     the router's statistics) in float32; untrained targets are vocab.IGNORE (step.trained)."""
-    losses, targets, stats = model.token_losses(weights, batch["inputs"], batch["targets"], batch.get("segments"))
+    losses, targets, stats = model.token_losses(weights, batch["inputs"], batch["targets"], batch.get("segments"),
+                                                batch.get("seeds"))
     kept = targets != IGNORE
     return -jnp.sum(jnp.where(kept, losses, 0.0), axis=1), jnp.sum(kept, axis=1, dtype=jnp.float32), stats
 

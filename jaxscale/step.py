@@ -27,7 +27,7 @@ from jaxscale.preference import PreferenceSpec
 from jaxscale.sharding import Layout
 from jaxscale.state import TrainState
 
-Batch = dict[str, jax.Array]  # {'inputs', 'targets'} (+ 'segments', 'mask'): int32 [B, L]
+Batch = dict[str, jax.Array]  # {'inputs', 'targets'} (+ 'segments', 'mask'): int32 [B, L]; 'seeds': see with_seeds
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -96,7 +96,7 @@ def loss_fn(params: dict, batch: Batch, spec: StepSpec, count=None, base=None) -
     weights = lora.merge(params, base) if base else params
     if spec.preference.on:
         return preference.loss(spec.preference, spec.model, weights, reference(params, base, spec), batch)
-    return spec.model.loss(weights, batch["inputs"], batch["targets"], batch.get("segments"), count)
+    return spec.model.loss(weights, batch["inputs"], batch["targets"], batch.get("segments"), count, batch.get("seeds"))
 
 
 def reference(params: dict, base: dict, spec: StepSpec) -> dict:
@@ -185,10 +185,21 @@ def _on_device(state: TrainState, spec: StepSpec) -> TrainState:
                                base=on_device(state.base, spec.placement.base))
 
 
+def with_seeds(batch: Batch, key, spec: StepSpec) -> Batch:
+    """The batch with each token's LoRA dropout seed, uint32 [B, L] drawn from `key` (the step's)
+    over the whole batch, when the model drops its adapters' inputs (model.lora.dropout; see
+    models.lora), before it is split into microbatches, replicas or pipeline microbatches: each
+    token keeps its seed wherever it is computed. Unchanged without dropout."""
+    if not (spec.model.spec.lora.on and spec.model.spec.lora.dropout):
+        return batch
+    seeds = jax.random.bits(key, batch["inputs"].shape, jnp.uint32)
+    return {**batch, "seeds": jax.lax.with_sharding_constraint(seeds, spec.layout.batch_sharding())}
+
+
 def train_step(state: TrainState, batch: Batch, spec: StepSpec):
     """One optimizer update, unless the guard rejects it. Returns the new state and scalar metrics."""
     state = _on_device(state, spec)
-    stats, grads = loss_and_grads(state.params, batch, spec, state.base)
+    stats, grads = loss_and_grads(state.params, with_seeds(batch, state.rng, spec), spec, state.base)
     loss = stats.pop("loss")  # what remains: an MoE model's router statistics
     load = stats.pop(moe.LOAD, None)  # balancing by bias: each MoE layer's load per expert
     grads = jax.lax.with_sharding_constraint(grads, spec.grad_shardings)  # ZeRO-2: split over data

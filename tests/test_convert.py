@@ -91,10 +91,11 @@ def _logits(model_dir, adapters=None):
 
 
 def test_lora_fine_tunes_an_import_resumes_and_exports_for_peft_and_merged(tmp_path):
-    """LoRA (rank 4 on q, k, v, o, gate, up, down) on a Llama started from its Hugging Face
-    directory (checkpoint.init_from=HF_DIR: converted once into WORKDIR/hf_import): its checkpoints
-    hold the adapters and their optimizer state, not the base; a resume from step 2 in another
-    workdir (converting the base again there) repeats the steps after it exactly; the adapters in
+    """LoRA (rank 4 on q, k, v, o, gate, up, down, dropout 0.1) on a Llama started from its Hugging
+    Face directory (checkpoint.init_from=HF_DIR: converted once into WORKDIR/hf_import): its
+    checkpoints hold the adapters and their optimizer state, not the base; a resume from step 2 in
+    another workdir (converting the base again there) repeats the steps after it exactly, their
+    dropout masks included; the adapters in
     PEFT's format, loaded by peft onto the transformers model, and the merged export each give
     jaxscale's logits."""
     import shutil
@@ -104,7 +105,7 @@ def test_lora_fine_tunes_an_import_resumes_and_exports_for_peft_and_merged(tmp_p
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CHATS))
     config.data.path = str(tmp_path / "chats.jsonl")
     config.checkpoint.update(init_from=str(hf), every_steps=2)
-    config.model.lora.update(rank=4, alpha=8.0)
+    config.model.lora.update(rank=4, alpha=8.0, dropout=0.1)
     config.optim.update(lr=1e-2, warmup_steps=0)
     config.train.update(steps=4, global_batch_size=8, seq_len=32, log_every=1, eval_every=0)
     config.metrics.progress = False
@@ -126,7 +127,8 @@ def test_lora_fine_tunes_an_import_resumes_and_exports_for_peft_and_merged(tmp_p
     assert np.abs(ours - _logits(hf)).max() > 1e-2  # the adapters changed the model
     to_hf(str(tmp_path / "run"), tmp_path / "peft", peft=True)
     adapter = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
-    assert (adapter["r"], adapter["lora_alpha"], adapter["base_model_name_or_path"]) == (4, 8.0, str(hf.absolute()))
+    assert (adapter["r"], adapter["lora_alpha"], adapter["lora_dropout"], adapter["base_model_name_or_path"]) == \
+        (4, 8.0, 0.1, str(hf.absolute()))
     np.testing.assert_allclose(_logits(hf, tmp_path / "peft"), ours, atol=1e-4, rtol=0)
     to_hf(str(tmp_path / "run"), tmp_path / "merged")
     np.testing.assert_allclose(_logits(tmp_path / "merged"), ours, atol=1e-4, rtol=0)

@@ -63,7 +63,7 @@ def save_peft(adapters: dict, spec, out_dir, base_model: str = "") -> Path:
                       if row.hf.endswith(".lora_A.weight")})
     lora = spec.lora
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-              "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": 0.0, "target_modules": modules,
+              "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": modules,
               "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
               "init_lora_weights": True, "inference_mode": True, "modules_to_save": None}
     (out / CONFIG).write_text(json.dumps(config, indent=2) + "\n")

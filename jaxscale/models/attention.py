@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxscale.errors import ConfigError
@@ -36,11 +37,24 @@ KEPT = "attention_residuals"
 class Placement(NamedTuple):
     """Where each token of a [B, L] batch sits: its position (what RoPE and learned position
     embeddings read, and what causality compares) and, with document masking, its document's
-    id (None: each row one document). A pytree, so it travels through scans, pipeline stages and
-    shard_map as the token arrays do."""
+    id (None: each row one document); in a training step with LoRA dropout, each token's uint32
+    dropout seed (models.lora; None: no dropout). A pytree, so it travels through scans, pipeline
+    stages and shard_map as the token arrays do."""
 
     positions: jax.Array
     segments: jax.Array | None = None
+    seeds: jax.Array | None = None
+
+    def at_layer(self, index) -> Placement:
+        """This placement as layer `index` (counted from the model's first, traced or not) sees
+        it: the seeds moved along by the layer's index, so each layer draws its own dropout and
+        a layer draws the same wherever it runs (a scan, a pipeline stage, a layout)."""
+        if self.seeds is None:
+            return self
+        return self._replace(seeds=self.seeds + jnp.asarray(index, jnp.uint32) * LAYER_STRIDE)
+
+
+LAYER_STRIDE = np.uint32(0x9E3779B9)  # odd: layers 0..2^32-1 move a seed to distinct values
 
 
 def document_positions(segments_BL):
@@ -147,7 +161,7 @@ def self_attention(q_BLHE, k_BLKE, v_BLKE, places: Placement, impl: str, block: 
     (`parallel.per_device`). The kernel's residuals are `kept` for remat policies."""
     if impl == "cudnn":
         return kept(_cudnn(window))(q_BLHE, k_BLKE, v_BLKE)
-    pos, seg = places
+    pos, seg = places.positions, places.segments
     rows = (pos,) if seg is None else (pos, seg)
     if impl == "splash" and splash.unsupported(q_BLHE.shape[1]) is None:
         def on_tpu(q, k, v, _, seg=None):

@@ -87,6 +87,8 @@ def check_lora(config) -> None:
     if not spec.on:
         return
     require(spec.alpha > 0, "model.lora.alpha", spec.alpha, "must be > 0 (the adapters are scaled by alpha / rank)")
+    require(0 <= spec.dropout < 1, "model.lora.dropout", spec.dropout,
+            "is the probability of dropping an adapter input: set it in [0, 1) (0 = no dropout)")
     require_choice("model.lora.base_dtype", spec.base_dtype, ("float32", "bfloat16"))
     kind = MLPS[preset(m.family).mlp]
     known = ATTENTION_TARGETS + (*kind.inputs, kind.output)

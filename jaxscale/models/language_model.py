@@ -68,25 +68,27 @@ class LanguageModel:
         logits_BLV, stats = self._forward(params, tokens_BL, places)
         return (logits_BLV, stats) if order is None else (logits_BLV[:, np.argsort(order)], stats)
 
-    def loss(self, params: dict, inputs_BL, targets_BL, segments_BL=None, count=None):
+    def loss(self, params: dict, inputs_BL, targets_BL, segments_BL=None, count=None, seeds_BL=None):
         """(training objective, metrics): metrics['loss'] is the mean next-token cross entropy;
         an MoE model adds its router losses, weighted, to the objective and its router
         statistics (stat_names) to the metrics, and model.z_loss_weight the logits' z-loss.
         segments_BL as in apply_with_stats. With `count` (step.trained: a loss mask), targets
         that are vocab.IGNORE are not trained and the cross entropy is the sum over the others
-        divided by count. With a context-parallel strategy, inputs, targets, positions and
-        segments are reordered together (zig-zag), which leaves the function and the mean loss
-        unchanged and saves putting the logits back in order."""
-        (inputs_BL, targets_BL), places, _ = self._lay_out((inputs_BL, targets_BL), segments_BL)
+        divided by count. seeds_BL (uint32 [B, L], a training step's with LoRA dropout: see
+        models.lora) drops the adapters' inputs. With a context-parallel strategy, inputs,
+        targets, positions, segments and seeds are reordered together (zig-zag), which leaves
+        the function and the mean loss unchanged and saves putting the logits back in order."""
+        (inputs_BL, targets_BL), places, _ = self._lay_out((inputs_BL, targets_BL), segments_BL, seeds_BL)
         if self.spec.strategy.pipeline != "none" and self.spec.strategy.context == "none":
             return pipelined.loss(self, params, inputs_BL, targets_BL, places, count)
         return self._objective(*self._loss(params, inputs_BL, targets_BL, places, count))
 
-    def token_losses(self, params: dict, inputs_BL, targets_BL, segments_BL=None):
+    def token_losses(self, params: dict, inputs_BL, targets_BL, segments_BL=None, seeds_BL=None):
         """(each target's cross entropy, float32 [B, L], the targets, the router's statistics), the
         tokens in the order the strategy computes in (a row's sums are the same in any order):
-        the head's chunked vocabulary-parallel pass, no [B, L, V] logits. Not under a pipeline."""
-        (inputs_BL, targets_BL), places, _ = self._lay_out((inputs_BL, targets_BL), segments_BL)
+        the head's chunked vocabulary-parallel pass, no [B, L, V] logits (seeds_BL: as in loss).
+        Not under a pipeline."""
+        (inputs_BL, targets_BL), places, _ = self._lay_out((inputs_BL, targets_BL), segments_BL, seeds_BL)
         model = nnx.merge(self.graphdef, params)
         x_BLD, _, stats = model.hidden(inputs_BL, places)
         return model.head_loss(x_BLD, targets_BL, per_token=True), targets_BL, stats
@@ -105,18 +107,20 @@ class LanguageModel:
         return loss, {**stats, prediction.LOSS: prediction.loss(model, x_BLD, inputs_BL, targets_BL, places)} \
             if self.spec.mtp_depth else stats
 
-    def _lay_out(self, arrays_BL: tuple, segments_BL):
+    def _lay_out(self, arrays_BL: tuple, segments_BL, seeds_BL=None):
         """(arrays, Placement, order): token arrays in natural order, with their positions (from each
-        document's start when segments are given), put in the order the strategy computes in:
-        the zig-zag order of context parallelism (order), or as they are (order None)."""
+        document's start when segments are given) and dropout seeds, put in the order the
+        strategy computes in: the zig-zag order of context parallelism (order), or as they are
+        (order None)."""
         length = arrays_BL[0].shape[1]
         positions_BL = (jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), arrays_BL[0].shape)
                         if segments_BL is None else document_positions(segments_BL))
         s = self.spec.strategy
+        places = Placement(positions_BL, segments_BL, seeds_BL)
         if s.context == "none":
-            return arrays_BL, Placement(positions_BL, segments_BL), None
+            return arrays_BL, places, None
         order = context.zigzag_order(length, s.mesh.shape[context.AXIS])
-        arrays_BL, places = jax.tree.map(lambda x: x[:, order], (arrays_BL, Placement(positions_BL, segments_BL)))
+        arrays_BL, places = jax.tree.map(lambda x: x[:, order], (arrays_BL, places))
         return arrays_BL, places, order
 
     def _forward(self, params: dict, tokens_BL, places: Placement):

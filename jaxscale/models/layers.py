@@ -145,8 +145,8 @@ class Attention(nnx.Module):
         for name in lora.ATTENTION_TARGETS:
             lora.attach(self, cfg.lora, name, 2 if name == "o" else 1, rngs)
 
-    def _project(self, x_BLD, name, heads_axis):
-        y = lora.adapt(self, name, x_BLD, self.matmul(x_BLD, getattr(self, lora.weight_name(name))[...], 1))
+    def _project(self, x_BLD, name, heads_axis, seeds=None):
+        y = lora.adapt(self, name, x_BLD, self.matmul(x_BLD, getattr(self, lora.weight_name(name))[...], 1), 1, seeds)
         y = y + getattr(self, f"bias_{name}")[...] if hasattr(self, f"bias_{name}") else y
         return constrain(y, self.strategy.layout, ("batch", "act_length", heads_axis, "head_dim"))
 
@@ -157,9 +157,9 @@ class Attention(nnx.Module):
         queries attend to the updated cache, which is returned. `kind`: the layer's (None: the
         first of the model's layer pattern, its only one when the pattern is uniform)."""
         kind = self.default_kind if kind is None else kind
-        q_BLHE = self._project(x_BLD, "q", "act_heads")
-        k_BLKE = self._project(x_BLD, "k", "act_kv_heads")
-        v_BLKE = self._project(x_BLD, "v", "act_kv_heads")
+        q_BLHE = self._project(x_BLD, "q", "act_heads", places.seeds)
+        k_BLKE = self._project(x_BLD, "k", "act_kv_heads", places.seeds)
+        v_BLKE = self._project(x_BLD, "v", "act_kv_heads", places.seeds)
         if hasattr(self, "q_norm"):
             q_BLHE, k_BLKE = self.q_norm(q_BLHE), self.k_norm(k_BLKE)
         positions_BL = places.positions
@@ -177,7 +177,7 @@ class Attention(nnx.Module):
             out_BLHE = cached_attention(q_BLHE, cache["k"], cache["v"], positions_BL, **masks)
         else:
             out_BLHE = causal(q_BLHE, k_BLKE, v_BLKE, places, self, **masks)
-        out_BLD = output(self, out_BLHE)
+        out_BLD = output(self, out_BLHE, places.seeds)
         return (out_BLD + self.bias_o[...] if hasattr(self, "bias_o") else out_BLD), cache
 
 
@@ -193,10 +193,11 @@ def causal(q_BLHE, k_BLKE, v_BLKE, places: Placement, layer, window: int = 0, so
     return self_attention(q_BLHE, k_BLKE, v_BLKE, places, layer.impl, layer.block, s.layout, window, softcap)
 
 
-def output(layer, out_BLHE):
-    """The heads' output [B, L, H, E] projected back to d_model by the layer's wo [H, E, D]."""
+def output(layer, out_BLHE, seeds=None):
+    """The heads' output [B, L, H, E] projected back to d_model by the layer's wo [H, E, D]
+    (seeds: the tokens' LoRA dropout seeds, or None)."""
     out_BLHE = constrain(out_BLHE, layer.strategy.layout, ("batch", "act_length", "act_heads", "head_dim"))
-    return lora.adapt(layer, "o", out_BLHE, layer.matmul(out_BLHE, layer.wo[...], 2), 2)
+    return lora.adapt(layer, "o", out_BLHE, layer.matmul(out_BLHE, layer.wo[...], 2), 2, seeds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,7 +272,8 @@ class MLP(nnx.Module):
         for name in (*self.kind.inputs, self.kind.output):
             lora.attach(self, cfg.lora, name, 1, rngs)
 
-    def __call__(self, x_BLD):
+    def __call__(self, x_BLD, seeds=None):
+        """The MLP of x_BLD (seeds: the tokens' LoRA dropout seeds, or None)."""
         w = {name: getattr(self, name)[...] for name in self.kind.names(self.biased)}
 
         def dot(x, w, output):
@@ -280,4 +282,5 @@ class MLP(nnx.Module):
         def hidden(h_BLF):
             return constrain(h_BLF, self.layout, ("batch", "act_length", "act_mlp"))
 
-        return self.kind.run(x_BLD, w, dot, lambda y, b: y + b, hidden, functools.partial(lora.adapt, self))
+        adapt = functools.partial(lora.adapt, self, seeds=seeds)
+        return self.kind.run(x_BLD, w, dot, lambda y, b: y + b, hidden, adapt)

@@ -20,7 +20,8 @@ from jaxscale.sharding import constrain
 
 def forward(run_layers, stacked: dict, x_BLD, places, strategy, dtype):
     """The layers' forward over the pipeline's stages (gpipe, or circular with virtual stages):
-    run_layers(a stage's stacked params, x, places) -> x. The stages' weights cross the
+    run_layers(a stage's stacked params, x, places, chunk) -> x (chunk: the stage's index among
+    the model's chunks of layers). The stages' weights cross the
     pipeline's map in the compute dtype."""
     stacked = jax.tree.map(lambda p: p.astype(dtype), stacked)
     if strategy.virtual_stages > 1:
@@ -30,16 +31,18 @@ def forward(run_layers, stacked: dict, x_BLD, places, strategy, dtype):
 
 
 def stage_fn(model):
-    """stage(a pipeline stage's layer params, x, places) -> (x, statistics) of the Transformer
-    `model`: its layers in order; an MoE stage's groups add their STATS shares and loads (see
-    Transformer._groups), for the executor to add up over stages."""
+    """stage(a pipeline chunk's layer params, x, places, chunk) -> (x, statistics) of the
+    Transformer `model`: its layers in order (chunk: the chunk's index among the model's equal
+    chunks of layers, which numbers its layers); an MoE stage's groups add their STATS shares and
+    loads (see Transformer._groups), for the executor to add up over stages."""
     if not model.spec.moe.num_experts:
         run_layers = model.stage_fn()
-        return lambda params, x_BLD, places: (run_layers(params, x_BLD, places), {})
-    run = model._groups()
+        return lambda params, x_BLD, places, chunk: (run_layers(params, x_BLD, places, chunk), {})
+    run, n = model._groups(), model.spec.moe.every_n_layers
 
-    def stage(params, x_BLD, places):
-        x_BLD, _, means, load_GX = run(params, x_BLD, places, None)
+    def stage(params, x_BLD, places, chunk):
+        first = model.spec.moe.first_dense + chunk * jax.tree.leaves(params["moe"])[0].shape[0] * n
+        x_BLD, _, means, load_GX = run(params, x_BLD, places.at_layer(first), None)
         return x_BLD, {**means, LOAD: load_GX}
 
     return stage

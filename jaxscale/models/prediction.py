@@ -77,7 +77,8 @@ def loss(model, x_BLD, inputs_BL, targets_BL, places):
         module = jax.tree.map(lambda a, k=k: a[k - 1], params)
         e_BLD = model.embed_tokens(shifted(inputs_BL, k), places).astype(h_BLD.dtype)
         h_BLD = model._run_layer(lambda p, x, places: nnx.merge(graphdef, p)(x, places), module, dims,
-                                 jnp.concatenate([e_BLD, h_BLD], axis=-1), places)[0]
+                                 jnp.concatenate([e_BLD, h_BLD], axis=-1),
+                                 places.at_layer(model.spec.num_layers + k - 1))[0]  # numbered after the model's
         final_norm = (norm_def, module["final_norm"], dims and dims["final_norm"])
         target_BL = shifted(targets_BL, k)
         keep_BL = valid(targets_BL, k) * (target_BL != IGNORE)

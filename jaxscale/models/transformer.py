@@ -66,7 +66,7 @@ class Block(nnx.Module):
         """(x_BLD, this layer's updated KV cache, or None without one: see Attention; `kind`
         its LayerKind)."""
         x_BLD, cache = self._attend(x_BLD, places, cache, kind)
-        mlp_BLD = self.mlp(constrain(self.mlp_norm(x_BLD), self.layout, INNER))
+        mlp_BLD = self.mlp(constrain(self.mlp_norm(x_BLD), self.layout, INNER), places.seeds)
         return self._join(x_BLD, mlp_BLD, "mlp_post_norm"), cache
 
 
@@ -184,11 +184,17 @@ class Transformer(nnx.Module):
         return constrain(logits_BLV, self.spec.strategy.layout, ("batch", "act_length", "act_vocab"))
 
     def stage_fn(self):
-        """run(stacked layer params, x, places) -> x: a dense model's layers in order (a scan, or
-        unrolled when spec.scan_layers is False; remat as set), each layer's weights gathered
-        where it runs (parallel.fsdp): a pipeline stage's, or all of them."""
+        """run(stacked layer params, x, places, chunk=0) -> x: a dense model's layers in order (a
+        scan, or unrolled when spec.scan_layers is False; remat as set), each layer's weights
+        gathered where it runs (parallel.fsdp): all of them, or pipeline chunk `chunk`'s (its
+        index among the model's equal chunks of layers, which numbers its layers)."""
         loop = self._loop(self.layers, unroll=not self.spec.scan_layers)
-        return lambda params, x_BLD, places: loop(params, x_BLD, places, None)[0]
+
+        def run(params, x_BLD, places, chunk=0):
+            first = chunk * jax.tree.leaves(params)[0].shape[0]
+            return loop(params, x_BLD, places.at_layer(first), None)[0]
+
+        return run
 
     def _loop(self, stack: nnx.Module, unroll: bool = False):
         """run(stacked params, x_BLD, places, stacked cache or None) -> (x_BLD, the updated cache
@@ -203,27 +209,31 @@ class Transformer(nnx.Module):
         p = len(kinds)
 
         def run(params, x_BLD, places, cache):
-            def step(kind):
-                def one(x, params_and_cache):
-                    x, layer_cache, _ = self._layer(graphdef, dims, params_and_cache[0], x, places, params_and_cache[1],
-                                                    kind)
+            def step(kind, places):
+                def one(x, xs):  # xs: this layer's params, cache and index (None without dropout seeds)
+                    layer_params, layer_cache, index = xs
+                    x, layer_cache, _ = self._layer(graphdef, dims, layer_params, x, places.at_layer(index),
+                                                    layer_cache, kind)
                     return x, layer_cache
                 return one
 
-            def layers(x, params, caches, count: int, in_turn: bool = True):
+            def indices(count: int):
+                return None if places.seeds is None else jnp.arange(count, dtype=jnp.uint32)
+
+            def layers(x, params, caches, count: int, places, in_turn: bool = True):
                 """`count` layers from the pattern's start, of these stacked params and caches
-                ({stack: its kind's layers' caches, stacked} or None). Training `in_turn`, the
-                layers run as a scan's iterations do (see _in_turn)."""
+                ({stack: its kind's layers' caches, stacked} or None), the first of them at
+                `places`. Training `in_turn`, the layers run as a scan's iterations do (see _in_turn)."""
                 taken, out = Counter(), {name: [] for name in caches or {}}
                 for j in range(count):
                     kind = kinds[j % p]
                     layer_params = jax.tree.map(lambda a, j=j: a[j], params)
                     if caches is None and in_turn:
-                        x = self._in_turn(graphdef, dims, kind, first=not j)(layer_params, x, places)
+                        x = self._in_turn(graphdef, dims, kind, first=not j)(layer_params, x, places.at_layer(j))
                         continue
                     name = decoding.stack_of(kind)
                     layer_cache = None if caches is None else jax.tree.map(lambda a, i=taken[name]: a[i], caches[name])
-                    x, layer_cache = step(kind)(x, (layer_params, layer_cache))
+                    x, layer_cache = step(kind, places)(x, (layer_params, layer_cache, j))
                     if caches is not None:
                         out[name].append(layer_cache)
                         taken[name] += 1
@@ -232,23 +242,28 @@ class Transformer(nnx.Module):
 
             count = jax.tree.leaves(params)[0].shape[0]
             if unroll and cache is None:
-                return layers(x_BLD, params, None, count, in_turn=False)[0], None
+                return layers(x_BLD, params, None, count, places, in_turn=False)[0], None
             if p == 1:
                 name = decoding.stack_of(kinds[0])
-                x_BLD, out = jax.lax.scan(step(kinds[0]), x_BLD, (params, None if cache is None else cache[name]))
+                x_BLD, out = jax.lax.scan(step(kinds[0], places), x_BLD,
+                                          (params, None if cache is None else cache[name], indices(count)))
                 return x_BLD, None if cache is None else {name: out}
             groups, per_group = count // p, Counter(decoding.stack_of(kind) for kind in kinds)
 
             whole, rest = periods.split(params, groups, p)
             caches = {name: periods.split(c, groups, per_group[name]) for name, c in (cache or {}).items()}
             whole_caches = None if cache is None else {name: c[0] for name, c in caches.items()}
-            x_BLD, head = (jax.lax.scan(lambda x, xs: layers(x, *xs, p), x_BLD, (whole, whole_caches)) if groups
+            def group(x, xs):  # a period's layers, the first at layer (group index) * p
+                params, caches, index = xs
+                return layers(x, params, caches, p, places.at_layer(index * p) if index is not None else places)
+
+            x_BLD, head = (jax.lax.scan(group, x_BLD, (whole, whole_caches, indices(groups))) if groups
                            else (x_BLD, None))
             head = jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), head)
             if count == groups * p:
                 return x_BLD, head
             x_BLD, tail = layers(x_BLD, rest, None if cache is None else {n: c[1] for n, c in caches.items()},
-                                 count - groups * p)
+                                 count - groups * p, places.at_layer(groups * p))
             return x_BLD, None if cache is None else periods.joined(head or {}, tail)
 
         return run
@@ -336,7 +351,7 @@ class Transformer(nnx.Module):
                                                               jax.tree.map(lambda c: c[first:], cache))
             x_BLD, head = self._loop(self.layers.first, unroll=not self.spec.scan_layers)(
                 params["first"], x_BLD, places, head)
-        x_BLD, cache, means, load_GX = self._groups()(params, x_BLD, places, cache)
+        x_BLD, cache, means, load_GX = self._groups()(params, x_BLD, places.at_layer(first), cache)
         if head is not None:
             cache = jax.tree.map(lambda h, c: jnp.concatenate([h, c]), head, cache)
         return x_BLD, cache, self.router_stats(means, load_GX)
@@ -369,20 +384,22 @@ class Transformer(nnx.Module):
 
             def group(carry, xs):
                 x, totals = carry
-                dense_p, moe_p, group_cache = xs
+                dense_p, moe_p, group_cache, index = xs
+                at = places if index is None else places.at_layer(index * n)  # the group's first layer
                 head = jax.tree.map(lambda c: c[:n - 1], group_cache)
                 if n > 1:
-                    x, head = dense_layers(dense_p, x, places, head)
+                    x, head = dense_layers(dense_p, x, at, head)
                 layer_cache = None if group_cache is None else jax.tree.map(lambda c: c[n - 1], group_cache[stack])
-                x, tail, stats = self._layer(moe_def, moe_dims, moe_p, x, places, layer_cache)
+                x, tail, stats = self._layer(moe_def, moe_dims, moe_p, x, at.at_layer(n - 1), layer_cache)
                 load = stats.pop(LOAD)
                 group_cache = None if tail is None else jax.tree.map(lambda h, t: jnp.concatenate([h, t[None]]),
                                                                      head, {stack: tail})
                 return (x, jax.tree.map(jnp.add, totals, stats)), (group_cache, load)
 
             zeros = {name: jnp.zeros((), jnp.float32) for name in STATS}
+            index = None if places.seeds is None else jnp.arange(groups, dtype=jnp.uint32)
             (x_BLD, totals), (caches, load_GX) = jax.lax.scan(group, (x_BLD, zeros),
-                                                              (dense_params, params["moe"], caches))
+                                                              (dense_params, params["moe"], caches, index))
             means = {name: total / model_groups for name, total in totals.items()}
             return x_BLD, jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), caches), means, load_GX
 

@@ -52,7 +52,8 @@ AXIS = "pipeline"
 
 class Fns(NamedTuple):
     """The model's parts the executor runs. embed(outer, tokens, places) -> x; stage(chunk
-    params, x, places) -> (x, statistics: a dict of float32 arrays, {} for none); head_loss(outer,
+    params, x, places, chunk) -> (x, statistics: a dict of float32 arrays, {} for none), chunk the
+    chunk's index among the model's chunks of layers (virtual stage c*P + s); head_loss(outer,
     x, targets, count) -> mean loss of the microbatch's rows (with a loss mask, count, a float32
     scalar: the sum over its trained targets divided by it; else None); place(x) -> x laid out as the model's
     activations (every branch of the executor's conditionals states it, or the partitioner sees
@@ -151,7 +152,7 @@ class _Device:
         x0 = jax.eval_shape(fns.embed, outer, tokens[0], self.take(0))
         self.zeros = self.place(jnp.zeros(x0.shape, x0.dtype))
         virtual = jax.tree.leaves(chunks)[0].shape[0]
-        stats = jax.eval_shape(fns.stage, self.chunk(0), x0, self.take(0))[1]
+        stats = jax.eval_shape(fns.stage, self.chunk(0), x0, self.take(0), 0)[1]
         self.no_stats = jax.tree.map(lambda s: jnp.zeros((virtual, *s.shape), jnp.float32), stats)
 
     def embed(self, outer, tokens, places):
@@ -160,9 +161,9 @@ class _Device:
     def place(self, x):
         return self.fns.place(x)
 
-    def stage(self, params, x, places):
-        """The chunk's output and (its statistics, what they add to the objective)."""
-        y, stats = self.fns.stage(params, x, places)
+    def stage(self, params, x, places, c):
+        """Local chunk c's output and (its statistics, what they add to the objective)."""
+        y, stats = self.fns.stage(params, x, places, c * jax.lax.axis_size(AXIS) + jax.lax.axis_index(AXIS))
         return y, (stats, jnp.asarray(self.fns.extra(stats), jnp.float32))
 
     def take(self, m):
@@ -187,7 +188,7 @@ class _Device:
         x = jax.lax.cond(a["first"] == 1, lambda: self.place(self.embed(self.outer, self.tokens[m], self.take(m))),
                          lambda: self.place(state.xs[a["x_slot"]]))
         y = jax.lax.cond(a["last"] == 1, lambda: self.zeros,
-                         lambda: self.place(self.stage(self.chunk(a["chunk"]), x, self.take(m))[0]))
+                         lambda: self.place(self.stage(self.chunk(a["chunk"]), x, self.take(m), a["chunk"])[0]))
         return state._replace(xs=state.xs.at[a["x_slot"]].set(x)), (y, self.zeros)
 
     def backward(self, a, state: _State, with_weights: bool = True):
@@ -221,7 +222,7 @@ class _Device:
             """The chunk, then on the last chunk the head's loss, elsewhere <y, g>, whose gradient
             in y is the arrived g: one vjp serves every chunk, so the program holds the chunk's
             forward and backward once. (objective, (loss, statistics))."""
-            y, (stats, extra) = self.stage(p, x, self.take(m))
+            y, (stats, extra) = self.stage(p, x, self.take(m), c)
 
             def at_last():
                 loss = self.fns.head_loss(o, y, self.targets[m], self.count).astype(jnp.float32)

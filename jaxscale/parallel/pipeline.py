@@ -89,7 +89,7 @@ def _schedule(stage_fn, stages: int, count: int):
         def tick(carry, t):
             held, outputs = carry
             inp = jnp.where(stage == 0, xs[jnp.minimum(t, count - 1)], held)
-            out = stage_fn(params, inp, _take(places, jnp.clip(t - stage, 0, count - 1)))
+            out = stage_fn(params, inp, _take(places, jnp.clip(t - stage, 0, count - 1)), stage)
             slot = jnp.maximum(t - last, 0)
             ready = (stage == last) & (t >= last)
             outputs = outputs.at[slot].set(jnp.where(ready, out, outputs[slot]))  # touches one slot
@@ -105,9 +105,9 @@ def _schedule(stage_fn, stages: int, count: int):
 def gpipe(stage_fn, stacked_params, x_BLD, places, layout, microbatches: int):
     """x after all layers, run as `layout.mesh.shape['pipeline']` stages over `microbatches` microbatches.
 
-    stage_fn(local_params, x, places) applies one stage's layers (places: the tokens' positions,
-    a pytree of [B, L] arrays microbatched as x is); stacked_params has the layer dimension
-    first, split over `pipeline`.
+    stage_fn(local_params, x, places, stage) applies one stage's layers (places: the tokens'
+    positions, a pytree of [B, L] arrays microbatched as x is; stage: its index); stacked_params
+    has the layer dimension first, split over `pipeline`.
     """
     stages = layout.mesh.shape[AXIS]
     local = _schedule(jax.checkpoint(stage_fn), stages, microbatches)  # remat per stage
@@ -168,7 +168,7 @@ def _circular_schedule(stage_fn, stages: int, count: int, repeats: int):
             inp = jnp.where(stage == 0, jnp.where(t < count, fresh, parked[t % count]), held)
             work = jnp.clip(t - stage, 0, total - 1)
             chunk = jax.tree.map(lambda p: p[work // count], params)
-            out = stage_fn(chunk, inp, _take(places, work % count))
+            out = stage_fn(chunk, inp, _take(places, work % count), (work // count) * stages + stage)
             slot = jnp.clip(t - last - (repeats - 1) * count, 0, count - 1)
             ready = (stage == last) & (t - last >= (repeats - 1) * count)
             outputs = outputs.at[slot].set(jnp.where(ready, out, outputs[slot]))
