@@ -1,6 +1,6 @@
 """jaxscale.analysis.overlap: hand-written scheduled HLO for each rule (the matmuls between a
 collective's start and done, loops, pipelined collectives, shared compute, the TPU compiler's
-continuation fusions), and the step-time model pricing what stays exposed."""
+continuation fusions and SparseCore offloads), and the step-time model pricing what stays exposed."""
 
 import pytest
 from test_hlo_stats import COND, entry, loop_body, module, while_line
@@ -72,6 +72,24 @@ def test_an_async_wrapper_and_its_update_are_one_window():
                                  "%ad = f32[8]{0} async-done(%au), calls=%wrapped_rs"))
     assert windows(text) == {("reduce-scatter", 2 * DOT_FLOPS): 1}
     assert hlo_stats.collective_stats(text)["reduce-scatter"]["count"] == 1
+
+
+def test_a_collective_offloaded_to_the_sparsecores_is_one_window_beside_the_tensorcores_compute():
+    """libtpu's form of a reduce-scatter offloaded to the SparseCores: a call-start of a computation
+    run on the `sparsecore` thread, the TensorCores' matmuls, then its call-done."""
+    offloaded = f"""%called_computation.3 (p0: f32[64], p1: token[]) -> f32[8] {{
+  %p0 = f32[64]{{0}} parameter(0)
+  ROOT %rs = f32[8]{{0}} reduce-scatter(%p0), {GROUP}, dimensions={{0}}, to_apply=%add.clone
+}}, execution_thread="sparsecore"
+"""
+    text = module(offloaded, entry(*OPERANDS,
+                                   "%t = token[] after-all()",
+                                   "%rs.call-start = ((f32[64]{0}, token[]), f32[8]{0}) call-start(%x, %t), "
+                                   'async_execution_thread="sparsecore", to_apply=%called_computation.3',
+                                   DOT.format(n=1), DOT.format(n=2),
+                                   "%rs.call-done = f32[8]{0} call-done(%rs.call-start)"))
+    assert windows(text) == {("reduce-scatter", 2 * DOT_FLOPS): 1}
+    assert hlo_stats.collective_stats(text)["reduce-scatter"] == {"count": 1, "bytes": 8 * 4}
 
 
 # The TPU compiler's continuation fusion, as libtpu writes it (shapes cut down): the gather starts

@@ -291,25 +291,29 @@ def test_a_pod_holds_its_share_of_the_state_and_no_whole_table_or_logits(pod_fsd
     assert max(vocabulary_arrays(hlo, 16384)) <= 1024 // 32  # at most each chip's own slice of the table, [V, D/32]
 
 
-def _gathers(plan: dict) -> tuple[float, float]:
-    """(bytes the all-gathers over fsdp send a step, the part sent beside matmuls)."""
-    gathers = [w for w in plan["windows"] if w["kind"] == "all-gather" and w["axes"] == "fsdp"]
-    return (sum(w["sent_bytes"] * w["runs"] for w in gathers),
-            sum(w["sent_bytes"] * w["runs"] for w in gathers if w["flops_beside"] > 0))
+def _sent(plan: dict, kind: str) -> tuple[float, float]:
+    """(bytes the collectives of `kind` over fsdp send a step, the part sent beside matmuls)."""
+    rows = [w for w in plan["windows"] if w["kind"] == kind and w["axes"] == "fsdp"]
+    return (sum(w["sent_bytes"] * w["runs"] for w in rows),
+            sum(w["sent_bytes"] * w["runs"] for w in rows if w["flops_beside"] > 0))
 
 
-def test_by_default_a_pods_weight_gathers_run_beside_the_layers_matmuls(pod_fsdp32):
+def test_by_default_a_pods_weight_gathers_and_gradient_reduce_scatters_run_beside_the_layers_matmuls(pod_fsdp32):
     """With the TPU compiler's continuation fusions (xla.tpu_defaults, on by default) a layer's
     weight all-gather is split into steps inside the compute fusions scheduled before the matmul
-    that reads it: read from the schedule, 0.45 of the gathered bytes are sent beside matmuls
-    (libtpu 0.0.42.1; the compiler's choice, the same on any host). Without them every gather
-    blocks (docs/planning.md). A chain's collective is counted once, not once per step: the
-    gathered bytes are the ring arithmetic's (test_a_pod_gathers_weights...)."""
-    config, plan, _ = pod_fsdp32
-    sent, beside = _gathers(plan)
-    assert beside > 0.4 * sent
+    that reads it, and the gradients' reduce-scatters run on the SparseCores beside the
+    TensorCores' compute: read from the schedule, 0.45 of the gathered bytes and 0.42 of the
+    reduce-scattered ones are sent beside matmuls (libtpu 0.0.42.1; the compiler's choice, the
+    same on any host). Without them every gather and reduce-scatter blocks (docs/planning.md).
+    A chain's collective is counted once, not once per step: the bytes are the ring
+    arithmetic's (test_a_pod_gathers_weights...)."""
+    config, plan, hlo = pod_fsdp32
+    (gathered, gathered_beside), (scattered, scattered_beside) = (_sent(plan, k) for k in ("all-gather",
+                                                                                          "reduce-scatter"))
+    assert gathered_beside > 0.4 * gathered and scattered_beside > 0.35 * scattered
+    assert 'async_execution_thread="sparsecore"' in hlo
     row = plan["overlap"]["fsdp"]
-    assert row["async_bytes"] >= beside and row["flops_beside"] > 0
+    assert row["async_bytes"] >= gathered_beside + scattered_beside and row["flops_beside"] > 0
 
 
 def test_gradients_are_reduced_in_float32_when_asked():

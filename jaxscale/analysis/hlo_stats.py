@@ -84,6 +84,10 @@ _CALLEE_NAME = re.compile(r"%?([^\s,{}%]+)")
 _BRANCH_ATTRS = ("true_computation", "false_computation", "branch_computations")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TPU_START = re.compile(r"async-collective-start(\.\d+)?$")
+# Instructions that run a computation asynchronously: `async-start`, and `call-start`, which the
+# TPU compiler writes for a collective offloaded to the chip's SparseCores
+# (async_execution_thread="sparsecore"), beside the TensorCores' compute.
+ASYNC_CALLS = ("async-start", "call-start")
 _TPU_DONE = re.compile(r"async-collective-done(\.\d+)?$")
 _TPU_STEP = re.compile(r"\bcalls=%?async_collective_fusion")
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
@@ -321,7 +325,7 @@ def _parse_instruction(line: str, computation: _Computation, computations: dict[
 def _note_async(computation: _Computation, name: str, opcode: str, rest: str, callees: list,
                 computations: dict[str, _Computation]) -> None:
     """The schedule events of an instruction that calls computations: an asynchronous wrapper
-    (`async-start`; its `async-done` is read as any -done), a link of the TPU compiler's
+    (ASYNC_CALLS; its `async-done` or `call-done` is read as any -done), a link of the TPU compiler's
     continuation fusions (a chain that begins in `%async-collective-start.N`, steps on inside
     `async_collective_fusion` computations beside their compute and ends in
     `%async-collective-done.N`, each holding a copy of the collective, counted once, at its
@@ -333,7 +337,7 @@ def _note_async(computation: _Computation, name: str, opcode: str, rest: str, ca
         computation.events.append(("done", name.replace("-done", "-start")))
         return
     wrapped = [key for callee, _, _ in callees for key in getattr(computations.get(callee), "own", {}) if AT in key]
-    if (opcode == "async-start" or _TPU_START.match(name)) and len(wrapped) == 1:
+    if (opcode in ASYNC_CALLS or _TPU_START.match(name)) and len(wrapped) == 1:
         computation.events.append(("start", name, wrapped[0], computations[callees[0][0]].own[wrapped[0]][1]))
         computation.wrapped.update(callee for callee, _, _ in callees)
         return

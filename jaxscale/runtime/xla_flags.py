@@ -7,8 +7,9 @@ compiler options, so a plan compiled for a GPU target on any host (`python -m ja
 --topology=h100-8`) compiles what a GPU run does. `--config.xla.gpu_defaults=False` sets none.
 
 TPUs: the steps compile with the TPU compiler's continuation fusions (TPU_OPTIONS), which split a
-collective into steps run inside the compute fusions scheduled beside it; without them libtpu
-runs every all-gather and reduce-scatter of an FSDP step as a blocking op (read from the compiled
+collective into steps run inside the compute fusions scheduled beside it, and with reduce-scatters
+offloaded to the SparseCores (v5p), which run beside the TensorCores; without them libtpu runs
+every all-gather and reduce-scatter of an FSDP step as a blocking op (read from the compiled
 schedule by jaxscale.analysis.overlap; benchmarks/results/pods.md). `--config.xla.tpu_defaults=False`
 sets none.
 
@@ -37,13 +38,18 @@ GPU_FLAGS: dict[str, str] = {
 }
 
 
-# The TPU compiler's continuation fusions (MaxText sets the all-gather ones in its TPU recipes).
+# The TPU compiler's continuation fusions (MaxText sets the all-gather ones in its TPU recipes),
+# and reduce-scatters offloaded to the chip's SparseCores, where it has them (v5p), which run them
+# beside the TensorCores' compute: Llama-3-8B on v5p-256 (fsdp=128) left 9.25 GiB of its 41.7
+# GiB sent exposed instead of 16.4, and 2.38 GiB of temporaries a chip instead of 2.70
+# (benchmarks/results/pods.md). Other generations compile with it unchanged.
 TPU_OPTIONS: dict[str, bool] = {
     "xla_tpu_enable_async_collective_fusion": True,
     "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
     "xla_tpu_enable_async_collective_fusion_multiple_steps": True,
     "xla_tpu_overlap_compute_collective_tc": True,
     "xla_enable_async_all_gather": True,
+    "xla_tpu_enable_sparse_core_collective_offload_reduce_scatter": True,
 }
 
 
