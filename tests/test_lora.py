@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import small_config
+from conftest import initial_state, small_config
 from jaxscale import config as config_lib
 from jaxscale.analysis.step_plan import compile_plan, describe
 from jaxscale.errors import ConfigError
@@ -37,7 +37,7 @@ def _train(config, steps: int = 4):
     tokens = np.random.default_rng(0).integers(0, config.model.vocab_size, (t.global_batch_size, t.seq_len + 1))
     batch = jax.device_put({"inputs": tokens[:, :-1].astype(np.int32), "targets": tokens[:, 1:].astype(np.int32)},
                            run.batch_sharding)
-    state, losses = run.init_state(), []
+    state, losses = initial_state(run, (config.model.to_json(), config.optim.to_json())), []
     for _ in range(steps):
         state, metrics = compiled(state, batch)
         losses.append(float(metrics["loss"]))
