@@ -42,7 +42,8 @@ GPU_FLAGS: dict[str, str] = {
 # and reduce-scatters offloaded to the chip's SparseCores, where it has them (v5p), which run them
 # beside the TensorCores' compute: Llama-3-8B on v5p-256 (fsdp=128) left 9.25 GiB of its 41.7
 # GiB sent exposed instead of 16.4, and 2.38 GiB of temporaries a chip instead of 2.70
-# (benchmarks/results/pods.md). Other generations compile with it unchanged.
+# (benchmarks/results/pods.md). Other generations accept it: a reduce-scatter compiled for v5e, v4
+# and v6e had no SparseCore call.
 TPU_OPTIONS: dict[str, bool] = {
     "xla_tpu_enable_async_collective_fusion": True,
     "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
