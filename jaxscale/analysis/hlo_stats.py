@@ -84,11 +84,11 @@ _CALLEE_NAME = re.compile(r"%?([^\s,{}%]+)")
 _BRANCH_ATTRS = ("true_computation", "false_computation", "branch_computations")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TPU_START = re.compile(r"async-collective-start(\.\d+)?$")
+_TPU_DONE = re.compile(r"async-collective-done(\.\d+)?$")
 # Instructions that run a computation asynchronously: `async-start`, and `call-start`, which the
 # TPU compiler writes for a collective offloaded to the chip's SparseCores
 # (async_execution_thread="sparsecore"), beside the TensorCores' compute.
 ASYNC_CALLS = ("async-start", "call-start")
-_TPU_DONE = re.compile(r"async-collective-done(\.\d+)?$")
 _TPU_STEP = re.compile(r"\bcalls=%?async_collective_fusion")
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
 _TWO_OPERANDS = re.compile(r"\s*[\w\-]+\(\s*(?:([a-z][a-z0-9]*\[[^\]]*\])\S*\s+)?%?([^\s,()]+)\s*,"

@@ -48,13 +48,21 @@ class Placement(NamedTuple):
     def at_layer(self, index) -> Placement:
         """This placement as layer `index` (counted from the model's first, traced or not) sees
         it: the seeds moved along by the layer's index, so each layer draws its own dropout and
-        a layer draws the same wherever it runs (a scan, a pipeline stage, a layout)."""
-        if self.seeds is None:
+        a layer draws the same wherever it runs (a scan, a pipeline stage, a layout). Unchanged
+        without seeds, or for index None (layer_indices' without seeds)."""
+        if self.seeds is None or index is None:
             return self
         return self._replace(seeds=self.seeds + jnp.asarray(index, jnp.uint32) * LAYER_STRIDE)
 
 
 LAYER_STRIDE = np.uint32(0x9E3779B9)  # odd: layers 0..2^32-1 move a seed to distinct values
+
+
+def layer_indices(places: Placement, count: int, step: int = 1):
+    """What a scan over `count` layers (or groups of `step` layers) passes each iteration for
+    Placement.at_layer: its first layer's index, uint32 [count]; None without dropout seeds, so
+    a scan without them carries nothing more."""
+    return None if places.seeds is None else jnp.arange(0, count * step, step, dtype=jnp.uint32)
 
 
 def document_positions(segments_BL):

@@ -18,7 +18,7 @@ from flax import nnx
 
 from jaxscale.kernels.flash import soft_cap
 from jaxscale.models import decoding, lora, periods, pipelined, prediction
-from jaxscale.models.attention import KEPT, Placement
+from jaxscale.models.attention import KEPT, Placement, layer_indices
 from jaxscale.models.latent import LatentAttention
 from jaxscale.models.layers import AXES_KEY, INNER, MLP, RESIDUAL, Attention, norm, normal
 from jaxscale.models.moe import EXPERT_LOAD, LOAD, MAX_LOAD, STATS, MoE
@@ -217,9 +217,6 @@ class Transformer(nnx.Module):
                     return x, layer_cache
                 return one
 
-            def indices(count: int):
-                return None if places.seeds is None else jnp.arange(count, dtype=jnp.uint32)
-
             def layers(x, params, caches, count: int, places, in_turn: bool = True):
                 """`count` layers from the pattern's start, of these stacked params and caches
                 ({stack: its kind's layers' caches, stacked} or None), the first of them at
@@ -245,19 +242,20 @@ class Transformer(nnx.Module):
                 return layers(x_BLD, params, None, count, places, in_turn=False)[0], None
             if p == 1:
                 name = decoding.stack_of(kinds[0])
-                x_BLD, out = jax.lax.scan(step(kinds[0], places), x_BLD,
-                                          (params, None if cache is None else cache[name], indices(count)))
+                xs = (params, None if cache is None else cache[name], layer_indices(places, count))
+                x_BLD, out = jax.lax.scan(step(kinds[0], places), x_BLD, xs)
                 return x_BLD, None if cache is None else {name: out}
             groups, per_group = count // p, Counter(decoding.stack_of(kind) for kind in kinds)
 
             whole, rest = periods.split(params, groups, p)
             caches = {name: periods.split(c, groups, per_group[name]) for name, c in (cache or {}).items()}
             whole_caches = None if cache is None else {name: c[0] for name, c in caches.items()}
-            def group(x, xs):  # a period's layers, the first at layer (group index) * p
-                params, caches, index = xs
-                return layers(x, params, caches, p, places.at_layer(index * p) if index is not None else places)
 
-            x_BLD, head = (jax.lax.scan(group, x_BLD, (whole, whole_caches, indices(groups))) if groups
+            def group(x, xs):  # a period's layers, the first at layer (group index) * p
+                params, caches, first = xs
+                return layers(x, params, caches, p, places.at_layer(first))
+
+            x_BLD, head = (jax.lax.scan(group, x_BLD, (whole, whole_caches, layer_indices(places, groups, p))) if groups
                            else (x_BLD, None))
             head = jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), head)
             if count == groups * p:
@@ -384,8 +382,8 @@ class Transformer(nnx.Module):
 
             def group(carry, xs):
                 x, totals = carry
-                dense_p, moe_p, group_cache, index = xs
-                at = places if index is None else places.at_layer(index * n)  # the group's first layer
+                dense_p, moe_p, group_cache, first = xs
+                at = places.at_layer(first)  # the group's first layer
                 head = jax.tree.map(lambda c: c[:n - 1], group_cache)
                 if n > 1:
                     x, head = dense_layers(dense_p, x, at, head)
@@ -397,9 +395,8 @@ class Transformer(nnx.Module):
                 return (x, jax.tree.map(jnp.add, totals, stats)), (group_cache, load)
 
             zeros = {name: jnp.zeros((), jnp.float32) for name in STATS}
-            index = None if places.seeds is None else jnp.arange(groups, dtype=jnp.uint32)
-            (x_BLD, totals), (caches, load_GX) = jax.lax.scan(group, (x_BLD, zeros),
-                                                              (dense_params, params["moe"], caches, index))
+            (x_BLD, totals), (caches, load_GX) = jax.lax.scan(
+                group, (x_BLD, zeros), (dense_params, params["moe"], caches, layer_indices(places, groups, n)))
             means = {name: total / model_groups for name, total in totals.items()}
             return x_BLD, jax.tree.map(lambda c: c.reshape(-1, *c.shape[2:]), caches), means, load_GX
 
