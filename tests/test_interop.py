@@ -258,6 +258,108 @@ def test_greedy_continuation_equals_transformers(name, tmp_path):
     assert generate(LanguageModel(spec), load_hf_params(tmp_path, spec), prompt, 32) == _hf_greedy(hf, prompt, 32)
 
 
+def _deepseek_prediction_module(hf):
+    """DeepSeek-V3's multi-token prediction module as its checkpoints store it (model.layers.N.*
+    past num_hidden_layers): input norms of the next token's embedding and of the hidden state,
+    their projection, an MoE decoder layer (transformers' own) and shared_head's norm; initialised
+    as the model `hf` initialises its modules, then perturbed as _perturbed_hf perturbs a model."""
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    torch.manual_seed(1)
+    config = hf.config
+    width = config.hidden_size
+
+    def norm():
+        return ds.DeepseekV3RMSNorm(width, config.rms_norm_eps)
+
+    module = torch.nn.ModuleDict({
+        "enorm": norm(), "hnorm": norm(), "eh_proj": torch.nn.Linear(2 * width, width, bias=False),
+        "block": ds.DeepseekV3DecoderLayer(config, layer_idx=config.num_hidden_layers),
+        "shared_head": torch.nn.ModuleDict({"norm": norm()})})
+    module.apply(hf._init_weights)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        module["block"].mlp.gate.e_score_correction_bias.normal_(0.0, 0.05)
+    return module.eval()
+
+
+def _as_stored(state: dict) -> dict:
+    """A module's state with transformers 5's fused experts (gate_up_proj [E, 2I, D], down_proj
+    [E, D, I]) one tensor an expert, as DeepSeek's checkpoints store them."""
+    out = {name: value.contiguous() for name, value in state.items() if ".experts." not in name}
+    gate_up, down = state["block.mlp.experts.gate_up_proj"], state["block.mlp.experts.down_proj"]
+    width = gate_up.shape[1] // 2
+    for e in range(gate_up.shape[0]):
+        out.update({f"block.mlp.experts.{e}.gate_proj.weight": gate_up[e, :width].contiguous(),
+                    f"block.mlp.experts.{e}.up_proj.weight": gate_up[e, width:].contiguous(),
+                    f"block.mlp.experts.{e}.down_proj.weight": down[e].contiguous()})
+    return out
+
+
+def _deepseek_prediction_loss(hf, module, tokens) -> float:
+    """The module's mean cross entropy by DeepSeek-V3's definition, run by transformers' parts:
+    at position i, [enorm(embedding of t(i+1)); hnorm(h(i))] projected, the MoE layer (causal
+    mask and rotary positions as the model's), shared_head's norm and the model's head predict
+    t(i+2); h is the model's last layer's output before its final norm."""
+    from transformers.masking_utils import create_causal_mask
+
+    seen = {}
+    hook = hf.model.norm.register_forward_hook(lambda _, args, out: seen.setdefault("h", args[0]))
+    inputs = torch.tensor(tokens[:, :-1])
+    with torch.no_grad():
+        hf(inputs)
+        hook.remove()
+        e, h = hf.model.embed_tokens(inputs[:, 1:]), seen["h"][:, :-1]
+        x = module["eh_proj"](torch.cat([module["enorm"](e), module["hnorm"](h)], -1))
+        places = torch.arange(x.shape[1])[None]
+        mask = create_causal_mask(config=hf.config, inputs_embeds=x, attention_mask=None, cache=None,
+                                  position_ids=places)
+        x = module["block"](x, attention_mask=mask, position_ids=places,
+                            position_embeddings=hf.model.rotary_emb(x, places))
+        logits = hf.lm_head(module["shared_head"]["norm"](x))
+        return float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.tensor(tokens[:, 2:]).flatten()))
+
+
+def test_deepseek_prediction_modules_import_as_deepseek_defines_them_and_export_back(tmp_path):
+    """A DeepSeek-V3 checkpoint with one prediction module (model.layers.3.*, as DeepSeek-V3's
+    layer 61, with its copies of the embedding and head) imports with model.mtp_depth=1: our
+    mtp_loss is the module's loss run by transformers' parts (fp32, 1e-5); export writes the
+    module back bit for bit (copies included: vLLM and SGLang read them) with
+    num_nextn_predict_layers, transformers still loads the model, and import reads it back."""
+    from safetensors.numpy import load_file
+    from safetensors.torch import load_file as load_torch
+    from safetensors.torch import save_file
+
+    hf, source, out = _perturbed_hf("deepseek_v3"), tmp_path / "hf", tmp_path / "out"
+    hf.save_pretrained(source, safe_serialization=True)
+    module = _deepseek_prediction_module(hf)
+    layer = f"model.layers.{hf.config.num_hidden_layers}."
+    stored = {layer + name.removeprefix("block."): value for name, value in _as_stored(module.state_dict()).items()}
+    stored = {**stored, layer + "embed_tokens.weight": hf.model.embed_tokens.weight.detach().clone(),
+              layer + "shared_head.head.weight": hf.lm_head.weight.detach().clone()}
+    save_file({**load_torch(source / "model.safetensors"), **stored}, source / "model.safetensors", {"format": "pt"})
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+
+    spec = ModelSpec(**{**model_config_from_hf(source), "mtp_depth": 1})
+    params = load_hf_params(source, spec)
+    tokens = np.concatenate([TOKENS, TOKENS[:, :1]], axis=1)  # 17: 16 inputs, 16 targets
+    stats = jax.jit(LanguageModel(spec).loss)(params, jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:]))[1]
+    assert float(stats["mtp_loss"]) == pytest.approx(_deepseek_prediction_loss(hf, module, tokens), rel=1e-5)
+
+    save_hf(params, spec, out)
+    written, given = load_file(out / "model.safetensors"), {name: v.numpy() for name, v in stored.items()}
+    assert {name for name in written if name.startswith(layer)} == set(given)
+    for name, value in given.items():
+        np.testing.assert_array_equal(written[name], value, err_msg=name)
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    _assert_logits_match(_hf_logits(transformers.AutoModelForCausalLM.from_pretrained(out).eval()), _hf_logits(hf))
+    jax.tree.map(np.testing.assert_array_equal, load_hf_params(out, spec), params)
+    with pytest.raises(ConfigError, match=r"^model\.mtp_depth=2: .* stores 1 multi-token prediction module"):
+        load_hf_params(source, dataclasses.replace(spec, mtp_depth=2))
+
+
 def test_latent_attention_caches_the_latent_and_the_rotary_key_only():
     """Decoding DeepSeek-V3's shape caches kv_lora_rank + qk_rope_head_dim values per token and
     layer (16 + 8 here), not 2 x heads x head width (2 x 4 x 20 keys and values)."""

@@ -26,7 +26,9 @@ from jaxscale.interop.hf_names import (
     BASE_PREFIX,
     IGNORED_SUFFIXES,
     OTHER_PARTS,
+    PREDICTION_COPIES,
     ROTARY_TAILS,
+    STACKS,
     TEXT_MODEL_PREFIXES,
     Row,
     Spacing,
@@ -35,6 +37,7 @@ from jaxscale.interop.hf_names import (
     hf_name,
     hf_part_sizes,
     hf_shape,
+    holds_prediction,
     interleave,
     rows_for,
     to_hf,
@@ -81,16 +84,19 @@ def save_hf(params: dict, spec, out_dir, max_shard_bytes: int = DEFAULT_SHARD_BY
     or shards of at most max_shard_bytes (a bigger tensor gets a shard alone) plus
     model.safetensors.index.json. Removes safetensors files of an earlier save in out_dir, which
     transformers could otherwise pick up. Arrays may be sharded over this process's devices.
-    Multi-token prediction modules (model.mtp_depth) are left out: transformers' classes hold none.
-    Returns the safetensors paths written.
+    Multi-token prediction modules (model.mtp_depth) are written where the family's checkpoints
+    store them (DeepSeek-V3's, as the layers after the model's, each with its copies of the
+    embedding and head), and left out elsewhere. Returns the safetensors paths written.
     """
-    spec, params = dataclasses.replace(spec, mtp_depth=0), {k: v for k, v in params.items() if k != "mtp"}
+    if not holds_prediction(spec.family):
+        spec, params = dataclasses.replace(spec, mtp_depth=0), {k: v for k, v in params.items() if k != "mtp"}
     config = hf_config_from_spec(spec)  # refuse before anything is written
     flat = flatten_dict(params, sep="/")
     _check_tree(flat, spec)
     shapes = {path: tuple(x.shape) for path, x in flat.items()}
     layer_shapes = _per_layer(shapes)
-    tensors = _export_order(rows_for(spec.family, set(flat)), shapes, Spacing.of(spec))
+    rows = rows_for(spec.family, set(flat))
+    tensors = {**_export_order(rows, shapes, Spacing.of(spec)), **_prediction_copies(rows, spec)}
     sizes = {name: 4 * math.prod(hf_shape(row, layer_shapes)) for name, (row, *_) in tensors.items()}
     shards = hf_files.plan_shards(sizes, max_shard_bytes)
     files = hf_files.shard_file_names(len(shards))
@@ -134,8 +140,8 @@ def _param_shapes(spec) -> dict[str, tuple[int, ...]]:
 
 
 def _per_layer(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """Shapes with the leading `layers` dimension of stacked parameters dropped."""
-    return {path: shape[1:] if path.startswith("layers/") else shape for path, shape in shapes.items()}
+    """Shapes with the leading dimension of stacked parameters (hf_names.STACKS) dropped."""
+    return {path: shape[1:] if path.startswith(STACKS) else shape for path, shape in shapes.items()}
 
 
 def _layers(row: Row, shapes: dict[str, tuple[int, ...]]) -> range | tuple[None]:
@@ -197,10 +203,11 @@ def _refuse_leftovers(leftover: set[str], spec) -> None:
 
 
 def _prediction_module(name: str, spec) -> bool:
-    """A DeepSeek-V3 checkpoint's multi-token prediction modules: its layers past num_hidden_layers
-    (not imported, as transformers does not load them)."""
+    """A tensor of a DeepSeek-V3 checkpoint's multi-token prediction modules (its layers past
+    num_hidden_layers) that is not imported: the modules past model.mtp_depth, and every
+    module's copies of the embedding and head (the modules share the model's)."""
     found = re.fullmatch(r"model\.layers\.(\d+)\..*", name)
-    return spec.family == "deepseek_v3" and found is not None and int(found.group(1)) >= spec.num_layers
+    return holds_prediction(spec.family) and found is not None and int(found.group(1)) >= spec.num_layers
 
 
 def _check_tree(flat: dict, spec) -> None:
@@ -217,6 +224,14 @@ def _export_order(rows, shapes: dict[str, tuple[int, ...]], spacing: Spacing) ->
     order = [(row, layer, expert) for row in rows for layer in _layers(row, shapes) for expert in _experts(row, shapes)]
     order.sort(key=lambda item: -1 if item[1] is None else hf_layer(item[0], item[1], spacing))
     return {hf_name(row, layer, spacing, expert): (row, layer, expert) for row, layer, expert in order}
+
+
+def _prediction_copies(rows, spec) -> dict[str, tuple]:
+    """HF name -> (row, None, None) of each prediction module's copies of the embedding and the
+    head (hf_names.PREDICTION_COPIES; a tied head is the embedding)."""
+    unstacked = {row.ours[0]: row for row in rows if not row.stacked}
+    return {name.format(i=spec.num_layers + k): (unstacked.get(ours, unstacked["embed"]), None, None)
+            for k in range(spec.mtp_depth) for name, ours in PREDICTION_COPIES.items()}
 
 
 class _LastLayer:

@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 
 from jaxscale.errors import ConfigError
+from jaxscale.interop.hf_names import holds_prediction
 from jaxscale.models.families import expand, period, preset
 from jaxscale.models.rope import RopeScaling
 
@@ -243,7 +244,8 @@ def _from_deepseek(hf: dict) -> dict:
     """DeepSeek-V3 (and R1, V3.1: the same class): multi-head latent attention, first_k_dense_replace
     dense layers, then MoE layers of sigmoid-scored experts chosen by group-limited top-k with the
     correction bias, shared experts beside them, dropless. No auxiliary or z-loss (the bias
-    balances); the multi-token prediction modules past num_hidden_layers are not imported."""
+    balances). Its multi-token prediction modules (the layers past num_hidden_layers) import when
+    model.mtp_depth asks for them (interop.hf_names: 0 by default, as transformers loads none)."""
     _refuse_unsupported(hf, "deepseek_v3")
     fields = _shape(hf, "deepseek_v3", tied_by_default=False)
     mla = {ours: hf[theirs] or 0 for theirs, ours in MLA_FIELDS.items()}
@@ -313,6 +315,15 @@ def _from_gpt2(hf: dict) -> dict:
                 tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
                 rope_theta=10000.0, rope_scaling=dataclasses.asdict(RopeScaling()),
                 norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)), **PLAIN_ATTENTION)
+
+
+def _check_prediction(spec, hf_dir) -> None:
+    """model.mtp_depth asks for at most the multi-token prediction modules the checkpoint stores
+    (DeepSeek-V3's num_nextn_predict_layers; other families store none)."""
+    stored = (read_hf_config(hf_dir).get("num_nextn_predict_layers") or 0) if holds_prediction(spec.family) else 0
+    _refuse_unless(spec.mtp_depth <= stored, "model.mtp_depth", spec.mtp_depth,
+                   f"the Hugging Face checkpoint in {hf_dir} stores {stored} multi-token prediction module(s); "
+                   f"set model.mtp_depth to at most {stored}")
 
 
 def _refuse_other_structure(spec) -> None:
@@ -412,7 +423,7 @@ def _deepseek_fields(spec) -> dict:
                 num_experts_per_tok=m.top_k, moe_intermediate_size=m.d_ff or spec.d_ff,
                 first_k_dense_replace=m.first_dense, n_shared_experts=m.num_shared, norm_topk_prob=m.renormalize,
                 n_group=m.expert_groups, topk_group=m.top_groups, routed_scaling_factor=m.routed_scale,
-                num_nextn_predict_layers=0)
+                num_nextn_predict_layers=spec.mtp_depth)
 
 
 def _refuse_gemma_options(spec) -> None:
@@ -460,9 +471,7 @@ def _hf_rope_scaling(scaling) -> dict:
 
 def check_spec_matches(spec, hf_dir) -> None:
     """Raise ConfigError naming the first model.* field where `spec` differs from the checkpoint."""
-    _refuse_unless(not spec.mtp_depth, "model.mtp_depth", spec.mtp_depth, "Hugging Face's classes hold no "
-                   "multi-token prediction modules (a DeepSeek-V3 checkpoint's are not imported); import with "
-                   "model.mtp_depth=0")
+    _check_prediction(spec, hf_dir)
     hf = model_config_from_hf(hf_dir)
     # rope_theta means nothing without RoPE, and max_seq_len shapes a parameter only when positions are learned.
     position = preset(hf["family"]).position

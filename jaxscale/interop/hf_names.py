@@ -23,6 +23,11 @@ BASE_PREFIX = {"llama": "model.", "gpt2": "transformer.", "mistral": "model.", "
                "deepseek_v3": "model."}
 
 
+# Our parameters stacked along a leading axis, one slice an HF layer: the layers' and the
+# multi-token prediction modules'.
+STACKS = ("layers/", "mtp/")
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One HF tensor. `ours` lists the parameter paths it holds ("layers/attn/wq"); several
@@ -37,7 +42,8 @@ class Row:
 
     @property
     def stacked(self) -> bool:
-        return self.ours[0].startswith("layers/")
+        """One HF tensor per slice of a stack: the layers' (layers/...) or the prediction modules' (mtp/...)."""
+        return self.ours[0].startswith(STACKS)
 
     @property
     def out_axis(self) -> int:
@@ -69,6 +75,23 @@ def _moe_table(dense: tuple[Row, ...], router: str, experts: str, names: dict[st
                     for ours, theirs in names.items()))
     return tuple(rows)
 
+
+def _prediction_rows(table: tuple[Row, ...]) -> tuple[Row, ...]:
+    """DeepSeek-V3's multi-token prediction modules (models.prediction), stored as the layers after
+    the model's (model.layers.{num_hidden_layers + k - 1}): an MoE layer's tensors (mtp/block/...)
+    beside the module's input norms, projection and final norm. Each also stores copies of the
+    model's embedding and head (`PREDICTION_COPIES`), which the modules share."""
+    block = tuple(dataclasses.replace(row, ours=tuple(p.replace("layers/moe/", "mtp/block/", 1) for p in row.ours))
+                  for row in table if row.ours[0].startswith("layers/moe/"))
+    return block + _rows(("mtp/e_norm/scale", "model.layers.{i}.enorm.weight", VECTOR),
+                         ("mtp/h_norm/scale", "model.layers.{i}.hnorm.weight", VECTOR),
+                         ("mtp/proj", "model.layers.{i}.eh_proj.weight", LINEAR),
+                         ("mtp/final_norm/scale", "model.layers.{i}.shared_head.norm.weight", VECTOR))
+
+
+# A prediction module's copies of the shared tensors: its HF name -> the model's parameter.
+PREDICTION_COPIES = {"model.layers.{i}.embed_tokens.weight": "embed",
+                     "model.layers.{i}.shared_head.head.weight": "head"}
 
 _QKV = ("layers/attn/wq", "layers/attn/wk", "layers/attn/wv")
 _QKV_BIAS = ("layers/attn/bias_q", "layers/attn/bias_k", "layers/attn/bias_v")
@@ -109,6 +132,11 @@ _GEMMA = tuple(row for row in _LLAMA if row.ours != ("layers/mlp_norm/scale",)) 
     ("layers/mlp_norm/scale", "model.layers.{i}.pre_feedforward_layernorm.weight", VECTOR),
     ("layers/mlp_post_norm/scale", "model.layers.{i}.post_feedforward_layernorm.weight", VECTOR),
 )
+_DEEPSEEK = _moe_table(_LATENT, "model.layers.{i}.mlp.gate.weight", "model.layers.{i}.mlp.experts",
+                       {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}) + _rows(
+    ("layers/moe/mlp/bias_balance", "model.layers.{i}.mlp.gate.e_score_correction_bias", VECTOR),
+    *((f"layers/moe/mlp/shared/{ours}", f"model.layers.{{i}}.mlp.shared_experts.{theirs}.weight", LINEAR)
+      for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj"))))
 TABLES: dict[str, tuple[Row, ...]] = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
@@ -121,11 +149,7 @@ TABLES: dict[str, tuple[Row, ...]] = {
                           "model.layers.{i}.block_sparse_moe.experts", {"w_gate": "w1", "w_down": "w2", "w_up": "w3"}),
     "qwen3_moe": _moe_table(_LLAMA + _QK_NORMS, "model.layers.{i}.mlp.gate.weight", "model.layers.{i}.mlp.experts",
                             {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}),
-    "deepseek_v3": _moe_table(_LATENT, "model.layers.{i}.mlp.gate.weight", "model.layers.{i}.mlp.experts",
-                              {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}) + _rows(
-        ("layers/moe/mlp/bias_balance", "model.layers.{i}.mlp.gate.e_score_correction_bias", VECTOR),
-        *((f"layers/moe/mlp/shared/{ours}", f"model.layers.{{i}}.mlp.shared_experts.{theirs}.weight", LINEAR)
-          for ours, theirs in (("w_gate", "gate_proj"), ("w_up", "up_proj"), ("w_down", "down_proj")))),
+    "deepseek_v3": _DEEPSEEK + _prediction_rows(_DEEPSEEK),
     "gpt2": _rows(
         ("embed", "transformer.wte.weight", MATRIX),
         ("pos_embed", "transformer.wpe.weight", MATRIX),
@@ -163,24 +187,33 @@ def rows_for(family: str, paths: set[str]) -> tuple[Row, ...]:
     return tuple(row for row in TABLES[family] if row.ours[0] in paths)
 
 
+def holds_prediction(family: str) -> bool:
+    """Whether the family's checkpoints store multi-token prediction modules (DeepSeek-V3's)."""
+    return any(row.ours[0].startswith("mtp/") for row in TABLES[family])
+
+
 @dataclasses.dataclass(frozen=True)
 class Spacing:
     """Where a mixture-of-experts model's stacks sit among HF's layers: model.moe.first_dense
     dense layers (layers/first), then groups of every_n layers, n-1 dense (layers/dense), then
-    one MoE layer (layers/moe). A dense model's one stack is `Spacing()`."""
+    one MoE layer (layers/moe). A dense model's one stack is `Spacing()`. Multi-token prediction
+    modules (mtp) follow the model's `layers`."""
 
     every_n: int = 1
     first: int = 0
+    layers: int = 0
 
     @classmethod
     def of(cls, spec) -> Spacing:
-        """The spacing of a model of `spec` (its model.moe)."""
-        return cls(spec.moe.every_n_layers, spec.moe.first_dense)
+        """The spacing of a model of `spec` (its model.moe and depth)."""
+        return cls(spec.moe.every_n_layers, spec.moe.first_dense, spec.num_layers)
 
 
 def hf_layer(row: Row, index: int, spacing: Spacing = Spacing()) -> int:
     """HF's layer number of slice `index` of the row's stacked parameter: see Spacing."""
     n, first = spacing.every_n, spacing.first
+    if row.ours[0].startswith("mtp/"):
+        return spacing.layers + index
     if row.ours[0].startswith("layers/moe/"):
         return first + index * n + n - 1
     if row.ours[0].startswith("layers/dense/"):
