@@ -98,6 +98,11 @@ def _experts() -> dict:
         top_groups=1,              # a token chooses only among its top_groups best groups (HF topk_group);
                                    # 1 and 1 (or top_groups=expert_groups): no limit
         routed_scale=1.0,          # combine weights x this (HF routed_scaling_factor; DeepSeek-V3: 2.5)
+        hidden_chunk=1024,         # dropless: each expert's hidden activations computed in slices of at most
+                                   # this many columns, one after another (their outputs summed in float32,
+                                   # each recomputed for the backward pass); 0 = whole. The rows are sized for
+                                   # the worst-case routing, so whole they are large (Mixtral 8x7B on v5p-256:
+                                   # 2.6 GiB a chip less in slices of 1024)
     )
 
 

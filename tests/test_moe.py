@@ -17,7 +17,7 @@ from jaxscale import config as config_lib
 from jaxscale.analysis import mfu
 from jaxscale.errors import ConfigError
 from jaxscale.models import LanguageModel, ModelSpec, Strategy
-from jaxscale.models.moe import MoE, MoESpec, capacity, expert_mlp, route
+from jaxscale.models.moe import MoE, MoESpec, capacity, expert_mlp, route, slices
 from jaxscale.validate import validate
 
 torch = LazyModule("torch")
@@ -165,9 +165,14 @@ def test_sigmoid_balancing_loss_averages_the_scores_normalised_per_token():
 @pytest.mark.parametrize("capacity_factor, shared", [(1.0, 0), (4.0, 0), (0.0, 0), (0.0, 2), (1.0, 1)])
 def test_layer_equals_a_dense_reference(family, capacity_factor, shared):
     """Dispatch, experts and combine equal running every expert on every token and summing the
-    kept choices with their weights (with drops at capacity factor 1; 0 is dropless), plus the
-    shared experts' MLP on every token."""
+    kept choices with their weights (with drops at capacity factor 1; 0 is dropless, its experts'
+    hidden width in slices), plus the shared experts' MLP on every token."""
     _against_a_dense_reference(family, capacity_factor, shared)
+
+
+def test_the_hidden_width_runs_in_the_fewest_equal_slices_that_fit():
+    assert [slices(width, most) for width, most in [(14336, 1024), (2048, 1024), (768, 1024), (100, 30), (96, 0)]] \
+        == [14, 2, 1, 4, 1]
 
 
 def test_the_layer_routes_with_its_router_options():
@@ -179,7 +184,7 @@ def test_the_layer_routes_with_its_router_options():
 def _against_a_dense_reference(family, capacity_factor, shared, **router):
     spec = ModelSpec(family=family, num_layers=2, d_model=16, d_ff=32, num_heads=2, num_kv_heads=2,
                      moe=MoESpec(num_experts=4, top_k=2, capacity_factor=capacity_factor, num_shared=shared,
-                                 **router),
+                                 hidden_chunk=8, **router),  # dropless: the hidden width in 4 slices
                      init_std=0.5)
     layer = MoE(spec, nnx.Rngs(0))
     x = jax.random.normal(jax.random.PRNGKey(1), (3, 10, 16))
@@ -246,8 +251,10 @@ def test_dropless_equals_the_capacity_path_that_drops_nothing(reference, name):
     """Grouped matmuls (capacity_factor 0) against slots with room for every token (factor 4) on
     one device: loss, grad norm and router statistics of 2 steps within 1e-5, on one device and
     with the experts split over expert=4 (rows exchanged raggedly, parallel.ragged); nothing
-    dropped. (Dropless inside the layers' map over data x fsdp x tensor: tests/test_prediction.py.)"""
-    got = _run(DROPLESS_LAYOUTS[name], _with(SPEC, capacity_factor=0.0))[0]
+    dropped. The dropless experts run their hidden width (64) in 4 slices (model.moe.hidden_chunk),
+    forward and backward. (Dropless inside the layers' map over data x fsdp x tensor, the hidden
+    width whole: tests/test_prediction.py.)"""
+    got = _run(DROPLESS_LAYOUTS[name], _with(SPEC, capacity_factor=0.0, hidden_chunk=16))[0]
     for g, r in zip(got, reference):
         assert g["moe_dropped"] == 0
         for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss"):
@@ -478,6 +485,7 @@ def test_active_parameters_for_mfu():
     (["model.moe.num_experts=8", "model.moe.expert_groups=4", "model.moe.top_k=3"], "model.moe.top_k",
      "at most 2; raise top_groups"),
     (["model.moe.num_experts=8", "model.moe.routed_scale=0"], "model.moe.routed_scale", "must be > 0"),
+    (["model.moe.num_experts=8", "model.moe.hidden_chunk=-1"], "model.moe.hidden_chunk", "must be >= 0"),
     (["model.moe.num_experts=8", "model.moe.first_dense=4"], "model.moe.first_dense", "leave MoE layers"),
     (["model.moe.num_experts=8", "model.moe.first_dense=1", "model.moe.every_n_layers=2"],
      "model.moe.every_n_layers", "less model.moe.first_dense=1"),

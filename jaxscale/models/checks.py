@@ -203,6 +203,7 @@ def _check_router(m, num_layers: int) -> None:
             + (f" less model.moe.first_dense={m.first_dense}" if m.first_dense else ""))
     require(m.d_ff >= 0, "model.moe.d_ff", m.d_ff, "must be >= 0 (0 = model.d_ff)")
     require(m.num_shared >= 0, "model.moe.num_shared", m.num_shared, "must be >= 0 (0 = no shared experts)")
+    require(m.hidden_chunk >= 0, "model.moe.hidden_chunk", m.hidden_chunk, "must be >= 0 (0 = the whole hidden width)")
     for key in ("aux_loss_weight", "z_loss_weight", "bias_rate"):
         require(m[key] >= 0, f"model.moe.{key}", m[key], "must be >= 0")
     require_choice("model.moe.score", m.score, ROUTER_SCORES)

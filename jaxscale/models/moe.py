@@ -79,6 +79,8 @@ class MoESpec:
     expert_groups: int = 1      # DeepSeek's group-limited routing (HF n_group): consecutive groups of experts
     top_groups: int = 1         # ... of which a token may choose only in its top_groups best (HF topk_group)
     routed_scale: float = 1.0   # combine weights x this (HF routed_scaling_factor; DeepSeek-V3: 2.5)
+    hidden_chunk: int = 1024    # dropless: the experts' hidden activations in slices of at most this
+                                # many columns (grouped_mlp); 0 = whole
 
     @property
     def biased(self) -> bool:
@@ -233,7 +235,7 @@ class MoE(nnx.Module):
                         capacity(length, self.spec), order, bias, **self.spec.router())
         cap = 0 if self.spec.capacity_factor == 0 else capacity(length, self.spec)
         out_BLD = dispatch_combine(x_BLD, routing, self.experts(), self.spec.num_experts, cap, self.kind,
-                                   self.strategy)
+                                   self.strategy, self.spec.hidden_chunk)
         if self.spec.num_shared:
             out_BLD = out_BLD + self.shared(x_BLD)
         load = routing.counts.sum(0) / routing.counts.sum()
@@ -249,22 +251,50 @@ def expert_mlp(x_XTD, w: dict, kind: MLPKind, layout=None):
                     lambda h_XTF: constrain(h_XTF, layout, (None, "batch", "act_mlp")))
 
 
-def grouped_mlp(x_TD, experts_T, sizes_X, w: dict, kind: MLPKind):
-    """Each expert's MLP (of `kind`) on its own rows of x_TD, which are sorted by expert (sizes_X
-    of each): grouped matmuls (lax.ragged_dot), nothing padded to a capacity."""
-    def dot(a, b, output):
-        return jax.lax.ragged_dot(a, b.astype(a.dtype), sizes_X)
+def slices(width: int, most: int) -> int:
+    """How many equal slices a hidden width of `width` runs in: the fewest of at most `most`
+    columns each (0: one)."""
+    return next(n for n in range(1, width + 1) if width % n == 0 and (not most or width // n <= most))
 
-    return kind.run(x_TD, w, dot, lambda y, b: y + b[experts_T].astype(x_TD.dtype))
+
+def grouped_mlp(x_TD, experts_T, sizes_X, w: dict, kind: MLPKind, hidden_chunk: int = 0):
+    """Each expert's MLP (of `kind`) on its own rows of x_TD, which are sorted by expert (sizes_X
+    of each): grouped matmuls (lax.ragged_dot), nothing padded to a capacity. The hidden width
+    runs in slices of at most `hidden_chunk` columns (`slices`; 0: whole) one after another,
+    their output projections summed in float32, each slice recomputed in the backward pass: the
+    hidden activations are never whole (a dropless layer's rows are sized for the worst-case
+    routing, far more than it usually gets)."""
+    out_w, out_b = f"w_{kind.output}", f"bias_{kind.output}"
+    chunks = slices(w[out_w].shape[1], hidden_chunk)
+
+    def bias(y, b):
+        return y + b[experts_T].astype(y.dtype)
+
+    def dot(a, b, output):
+        wide = output and chunks > 1  # a slice's share of the output, summed in float32
+        return jax.lax.ragged_dot(a, b.astype(a.dtype), sizes_X, preferred_element_type=jnp.float32 if wide else None)
+
+    if chunks == 1:
+        return kind.run(x_TD, w, dot, bias)
+    width = w[out_w].shape[1] // chunks
+
+    def part(y, i):
+        def cut(name, a):  # the slice of the hidden width: [X, F, D]'s second axis, else the last
+            return jax.lax.dynamic_slice_in_dim(a, i * width, width, 1 if name == out_w else a.ndim - 1)
+        return y + kind.run(x_TD, {n: cut(n, a) for n, a in w.items() if n != out_b}, dot, bias), None
+
+    y, _ = jax.lax.scan(jax.checkpoint(part), jnp.zeros(x_TD.shape, jnp.float32), jnp.arange(chunks))
+    return (bias(y, w[out_b]) if out_b in w else y).astype(x_TD.dtype)
 
 
 def _dropless(x_BLD, experts_BLK, weights_BLK, w: dict, *, num_experts: int, kind: MLPKind, groups: int,
-              exchange: bool):
+              exchange: bool, hidden_chunk: int = 0):
     """sum_k weight_k * expert_k(x) for this device's rows, no token dropped: its assignments
     sorted by expert (stable: in token order within an expert), the experts as grouped matmuls,
     the results put back in token order and combined with the router's weights. With groups > 1
     (inside shard_map over `expert`) the sorted rows travel to the devices owning their experts
-    and back (parallel.ragged; `exchange`: by lax.ragged_all_to_all, else emulated)."""
+    and back (parallel.ragged; `exchange`: by lax.ragged_all_to_all, else emulated); the experts'
+    hidden activations in slices of at most `hidden_chunk` columns (grouped_mlp)."""
     B, L, D = x_BLD.shape
     k = experts_BLK.shape[-1]
     experts = experts_BLK.reshape(B * L * k)
@@ -272,12 +302,12 @@ def _dropless(x_BLD, experts_BLK, weights_BLK, w: dict, *, num_experts: int, kin
     sizes = jnp.bincount(experts, length=num_experts).astype(jnp.int32)
     x_TD = x_BLD.reshape(B * L, D)[order // k]
     if groups == 1:
-        y_TD = grouped_mlp(x_TD, experts[order], sizes, w, kind)
+        y_TD = grouped_mlp(x_TD, experts[order], sizes, w, kind, hidden_chunk)
     else:
         r, local = ragged.routes(sizes, AXIS, groups), num_experts // groups
         rows_MD = ragged.send(x_TD, r, AXIS, groups * B * L * min(k, local), exchange)  # all that can come
         which = jnp.searchsorted(jnp.cumsum(r.local_sizes), jnp.arange(rows_MD.shape[0]), side="right")
-        y_MD = grouped_mlp(rows_MD, jnp.minimum(which, local - 1), r.local_sizes, w, kind)
+        y_MD = grouped_mlp(rows_MD, jnp.minimum(which, local - 1), r.local_sizes, w, kind, hidden_chunk)
         y_TD = ragged.back(y_MD, x_TD.shape[0], r, AXIS, exchange)
     y_BLKD = y_TD[jnp.argsort(order)].reshape(B, L, k, D)
     out_BLD = jnp.einsum("BLKD,BLK->BLD", y_BLKD, weights_BLK.astype(y_BLKD.dtype),
@@ -343,10 +373,11 @@ def _own(w: dict, local: int) -> dict:
 
 
 def dispatch_combine(x_BLD, routing: Routing, w: dict, num_experts: int, cap: int, kind: MLPKind,
-                     strategy: Strategy = Strategy()):
+                     strategy: Strategy = Strategy(), hidden_chunk: int = 0):
     """sum_k weight_k * expert_k(x) for every token, through capacity buffers of `cap` slots a
-    row, or dropless (cap 0): with strategy.experts=all_to_all the experts are split over
-    `expert` (exchanges inside shard_map), else they run on this program's devices."""
+    row, or dropless (cap 0, the hidden activations in slices of `hidden_chunk` columns): with
+    strategy.experts=all_to_all the experts are split over `expert` (exchanges inside
+    shard_map), else they run on this program's devices."""
     layout = strategy.layout
     if cap:
         assigned, run = _slots(routing, num_experts, cap), functools.partial(_local, num_experts=num_experts,
@@ -354,7 +385,7 @@ def dispatch_combine(x_BLD, routing: Routing, w: dict, num_experts: int, cap: in
     else:
         native = layout is not None and layout.compiler != "cpu"  # XLA:CPU has no ragged all-to-all
         assigned, run = routing.experts, functools.partial(_dropless, num_experts=num_experts, kind=kind,
-                                                           exchange=native)
+                                                           exchange=native, hidden_chunk=hidden_chunk)
     if strategy.experts == "local":
         return run(x_BLD, assigned, routing.weights, w, groups=1)
     run = functools.partial(run, groups=layout.mesh.shape[AXIS])
