@@ -94,10 +94,13 @@ def test_gpu_defaults_leave_the_users_flags_alone():
 def test_the_steps_compile_with_the_platforms_defaults_but_not_over_the_users():
     """The train and eval steps carry the defaults as compiler options (so a plan for a TPU or GPU
     target compiles what a run there does); a flag the user set in LIBTPU_INIT_ARGS or XLA_FLAGS,
-    or the config's off switch, leaves them out."""
+    or the config's off switch, leaves them out; a model with experts takes no continuation
+    fusions."""
     xla = defaults().xla
     tpu = dict(xla_flags.compiler_options(xla, "tpu", {}))
     assert tpu == xla_flags.TPU_OPTIONS and xla_flags.compiler_options(xla, "cpu", {}) == ()
+    # A mixture of experts compiles without the continuation fusions, with the SparseCore offload.
+    assert dict(xla_flags.compiler_options(xla, "tpu", {}, experts=True)) == xla_flags.SPARSECORE_OFFLOAD
     mine = {"LIBTPU_INIT_ARGS": "--xla_enable_async_all_gather=false"}
     assert "xla_enable_async_all_gather" not in dict(xla_flags.compiler_options(xla, "tpu", mine))
     gpu = dict(xla_flags.compiler_options(xla, "gpu", {"XLA_FLAGS": "--xla_gpu_enable_pipelined_all_gather=false"}))

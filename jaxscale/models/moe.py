@@ -79,7 +79,7 @@ class MoESpec:
     expert_groups: int = 1      # DeepSeek's group-limited routing (HF n_group): consecutive groups of experts
     top_groups: int = 1         # ... of which a token may choose only in its top_groups best (HF topk_group)
     routed_scale: float = 1.0   # combine weights x this (HF routed_scaling_factor; DeepSeek-V3: 2.5)
-    hidden_chunk: int = 1024    # dropless: the experts' hidden activations in slices of at most this
+    hidden_chunk: int = 0       # dropless: the experts' hidden activations in slices of at most this
                                 # many columns (grouped_mlp); 0 = whole
 
     @property

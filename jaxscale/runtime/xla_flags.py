@@ -6,10 +6,11 @@ XLA_FLAGS before JAX starts its GPU backend, and the train and eval steps compil
 compiler options, so a plan compiled for a GPU target on any host (`python -m jaxscale.plan
 --topology=h100-8`) compiles what a GPU run does. `--config.xla.gpu_defaults=False` sets none.
 
-TPUs: the steps compile with the TPU compiler's continuation fusions (TPU_OPTIONS), which split a
-collective into steps run inside the compute fusions scheduled beside it, and with reduce-scatters
-offloaded to the SparseCores (v5p), which run beside the TensorCores; without them libtpu runs
-every all-gather and reduce-scatter of an FSDP step as a blocking op (read from the compiled
+TPUs: the steps compile with the TPU compiler's continuation fusions (CONTINUATION_FUSIONS; not
+for a mixture of experts), which split a collective into steps run inside the compute fusions
+scheduled beside it, and with reduce-scatters offloaded to the SparseCores (v5p), which run beside
+the TensorCores; without them libtpu runs every all-gather and reduce-scatter of an FSDP step as
+a blocking op (read from the compiled
 schedule by jaxscale.analysis.overlap; benchmarks/results/pods.md). `--config.xla.tpu_defaults=False`
 sets none.
 
@@ -38,29 +39,38 @@ GPU_FLAGS: dict[str, str] = {
 }
 
 
-# The TPU compiler's continuation fusions (MaxText sets the all-gather ones in its TPU recipes),
-# and reduce-scatters offloaded to the chip's SparseCores, where it has them (v5p), which run them
-# beside the TensorCores' compute: Llama-3-8B on v5p-256 (fsdp=128) left 9.25 GiB of its 41.7
-# GiB sent exposed instead of 16.4, and 2.38 GiB of temporaries a chip instead of 2.70
-# (benchmarks/results/pods.md). Other generations accept it: a reduce-scatter compiled for v5e, v4
-# and v6e had no SparseCore call.
-TPU_OPTIONS: dict[str, bool] = {
+# The TPU compiler's continuation fusions for all-gathers (MaxText sets them in its TPU recipes):
+# Llama-3-8B on v5p-256 (fsdp=128) sent 61% of its 41.7 GiB beside matmuls instead of none, for
+# 0.26 GiB more temporaries a chip. A mixture of experts gets little from them and pays in memory,
+# the gathered experts of the layers ahead kept live: Mixtral 8x7B on v5p-256 1.59 GiB more for
+# 43 ms of a 3.9 s predicted step, DeepSeek-V3 on v5p-512 17.39 GiB more (106.91 GiB a chip, past
+# the 95 GiB of HBM) for 115 ms of 9.3 s; so a model with experts
+# compiles without them (benchmarks/results/pods.md).
+CONTINUATION_FUSIONS: dict[str, bool] = {
     "xla_tpu_enable_async_collective_fusion": True,
     "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
     "xla_tpu_enable_async_collective_fusion_multiple_steps": True,
     "xla_tpu_overlap_compute_collective_tc": True,
     "xla_enable_async_all_gather": True,
-    "xla_tpu_enable_sparse_core_collective_offload_reduce_scatter": True,
 }
+# Reduce-scatters offloaded to the chip's SparseCores, where it has them (v5p), which run them
+# beside the TensorCores' compute: Llama-3-8B on v5p-256 (fsdp=128) left 9.25 GiB of its 41.7 GiB
+# sent exposed instead of 16.4, and 2.38 GiB of temporaries a chip instead of 2.70; Mixtral 8x7B's
+# experts' gradients reduce-scattered instead of all-reduced (6.5 GiB a chip less sent). Other
+# generations accept it: a reduce-scatter compiled for v5e, v4 and v6e had no SparseCore call.
+SPARSECORE_OFFLOAD: dict[str, bool] = {"xla_tpu_enable_sparse_core_collective_offload_reduce_scatter": True}
+TPU_OPTIONS: dict[str, bool] = {**CONTINUATION_FUSIONS, **SPARSECORE_OFFLOAD}
 
 
-def compiler_options(xla_cfg, platform: str, env=None) -> tuple[tuple[str, bool | int], ...]:
+def compiler_options(xla_cfg, platform: str, env=None, experts: bool = False) -> tuple[tuple[str, bool | int], ...]:
     """(name, value) pairs the steps compile with on `platform`: the defaults above the user
-    has not set in XLA_FLAGS (GPU) or LIBTPU_INIT_ARGS (TPU), unless the config turns them off."""
+    has not set in XLA_FLAGS (GPU) or LIBTPU_INIT_ARGS (TPU), unless the config turns them off;
+    for a model with `experts`, no continuation fusions on a TPU."""
     env = os.environ if env is None else env
     if platform == "tpu" and xla_cfg.tpu_defaults:
         mine = _named(env.get("LIBTPU_INIT_ARGS", ""))
-        return tuple((name, value) for name, value in TPU_OPTIONS.items() if name not in mine)
+        options = SPARSECORE_OFFLOAD if experts else TPU_OPTIONS
+        return tuple((name, value) for name, value in options.items() if name not in mine)
     if platform == "gpu" and xla_cfg.gpu_defaults:
         mine = _named(env.get("XLA_FLAGS", ""))
         return tuple((name, _value(text)) for name, text in GPU_FLAGS.items() if name not in mine)
