@@ -24,8 +24,9 @@ BASE_PREFIX = {"llama": "model.", "gpt2": "transformer.", "mistral": "model.", "
 
 
 # Our parameters stacked along a leading axis, one slice an HF layer: the layers' and the
-# multi-token prediction modules'.
-STACKS = ("layers/", "mtp/")
+# multi-token prediction modules' (PREDICTION).
+PREDICTION = "mtp/"
+STACKS = ("layers/", PREDICTION)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +190,7 @@ def rows_for(family: str, paths: set[str]) -> tuple[Row, ...]:
 
 def holds_prediction(family: str) -> bool:
     """Whether the family's checkpoints store multi-token prediction modules (DeepSeek-V3's)."""
-    return any(row.ours[0].startswith("mtp/") for row in TABLES[family])
+    return any(row.ours[0].startswith(PREDICTION) for row in TABLES[family])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +213,7 @@ class Spacing:
 def hf_layer(row: Row, index: int, spacing: Spacing = Spacing()) -> int:
     """HF's layer number of slice `index` of the row's stacked parameter: see Spacing."""
     n, first = spacing.every_n, spacing.first
-    if row.ours[0].startswith("mtp/"):
+    if row.ours[0].startswith(PREDICTION):
         return spacing.layers + index
     if row.ours[0].startswith("layers/moe/"):
         return first + index * n + n - 1

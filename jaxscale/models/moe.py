@@ -265,7 +265,8 @@ def grouped_mlp(x_TD, experts_T, sizes_X, w: dict, kind: MLPKind, hidden_chunk: 
     hidden activations are never whole (a dropless layer's rows are sized for the worst-case
     routing, far more than it usually gets)."""
     out_w, out_b = f"w_{kind.output}", f"bias_{kind.output}"
-    chunks = slices(w[out_w].shape[1], hidden_chunk)
+    hidden = w[out_w].shape[1]
+    chunks = slices(hidden, hidden_chunk)
 
     def bias(y, b):
         return y + b[experts_T].astype(y.dtype)
@@ -276,7 +277,7 @@ def grouped_mlp(x_TD, experts_T, sizes_X, w: dict, kind: MLPKind, hidden_chunk: 
 
     if chunks == 1:
         return kind.run(x_TD, w, dot, bias)
-    width = w[out_w].shape[1] // chunks
+    width = hidden // chunks
 
     def part(y, i):
         def cut(name, a):  # the slice of the hidden width: [X, F, D]'s second axis, else the last

@@ -43,9 +43,9 @@ GPU_FLAGS: dict[str, str] = {
 # Llama-3-8B on v5p-256 (fsdp=128) sent 61% of its 41.7 GiB beside matmuls instead of none, for
 # 0.26 GiB more temporaries a chip. A mixture of experts gets little from them and pays in memory,
 # the gathered experts of the layers ahead kept live: Mixtral 8x7B on v5p-256 1.59 GiB more for
-# 43 ms of a 3.9 s predicted step, DeepSeek-V3 on v5p-512 17.39 GiB more (106.91 GiB a chip, past
-# the 95 GiB of HBM) for 115 ms of 9.3 s; so a model with experts
-# compiles without them (benchmarks/results/pods.md).
+# 27 ms of a 3.96 s predicted step, DeepSeek-V3 on v5p-512 17.39 GiB more (106.91 GiB a chip, past
+# the 95 GiB of HBM) for 115 ms of 9.3 s; so a model with experts compiles without them
+# (benchmarks/results/pods.md).
 CONTINUATION_FUSIONS: dict[str, bool] = {
     "xla_tpu_enable_async_collective_fusion": True,
     "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
