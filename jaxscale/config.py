@@ -167,6 +167,13 @@ def _add_parallelism(c: ml_collections.ConfigDict) -> None:
     c.sharding = dict(
         sequence_parallel=True,   # with mesh.tensor > 1: norms/residuals split along length over `tensor` between
                                   # tensor-parallel regions (Megatron's), where seq_len divides; False: whole
+        overlap="off",            # off | head | all: FSDP collectives a step away from the compute that needs
+                                  # them, so the compiler can run them beside other matmuls. head: the loss's
+                                  # chunks of the head gathered a chunk ahead, their gradients reduce-scattered a
+                                  # chunk behind (models/vocab.py). all: also, under model.remat=full, each scanned
+                                  # layer's gradients reduce-scattered during the previous layer's backward
+                                  # (parallel/fsdp.py); memory for it grows with the tokens a device holds
+                                  # (docs/planning.md#what-the-schedule-hides)
         rules={name: ",".join(axes) for name, axes in DEFAULT_RULES.items()},  # logical axis -> mesh axes
     )
 

@@ -1,5 +1,6 @@
 """The jitted train step: device-count independence, accumulation, one reduction per step."""
 
+import dataclasses
 import re
 
 import jax
@@ -83,6 +84,27 @@ LAYOUTS = {
 def test_every_layout_equals_one_device(reference, optim_cfg, name):
     """Loss and grad norm over 3 steps equal the 1-device run (fp32, 1e-5 relative)."""
     _assert_same(_run(_layout(**LAYOUTS[name]), 1, optim_cfg, steps=3), reference, rtol=1e-5)
+
+
+# sharding.overlap=all under full remat, where a layer's gathers' transposes reduce its gradients
+# over every batch axis: each layer's reduce-scatter moves into the backward pass of the layer
+# before it (parallel.fsdp.scan_deferred), and the head's chunks are gathered a chunk ahead (all
+# that `head` does). Where a data axis leaves a sum to the map's edge, the layers reduce their own.
+DEFERRED = {"fsdp8": (dict(fsdp=8, overlap="all"), True),
+            "zero3_data2_fsdp2_tensor2": (dict(data=2, fsdp=2, tensor=2, zero_stage=3, overlap="all"), True),
+            "fsdp8_head": (dict(fsdp=8, overlap="head"), False),
+            "data2_fsdp4": (dict(data=2, fsdp=4, overlap="all"), False)}
+
+
+@pytest.mark.parametrize("name", DEFERRED)
+def test_full_remat_reducing_each_layer_behind_equals_one_device(reference, optim_cfg, name, monkeypatch):
+    from jaxscale.parallel import fsdp
+    layout, deferred = DEFERRED[name]
+    calls, real = [], fsdp.scan_deferred
+    monkeypatch.setattr(fsdp, "scan_deferred", lambda *a, **k: calls.append(1) or real(*a, **k))
+    spec = dataclasses.replace(SPEC, remat="full")
+    _assert_same(_run(_layout(**layout), 1, optim_cfg, steps=3, spec=spec), reference, rtol=1e-5)
+    assert bool(calls) == deferred
 
 
 # A vocabulary of 257 splits over no axis: tensor keeps it whole (rules_from_config says so), fsdp

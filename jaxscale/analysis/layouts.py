@@ -150,11 +150,26 @@ def estimate(config, layout: Candidate, counts: dict[str, int], flops_per_token:
     per_stage = width / (s["tensor"] * s["pipeline"])  # the bytes of a parameter on a stage's tensor shard
     model_bytes = (per_stage * (counts["layers"] - counts["experts"] + counts["other"]),  # gathered over fsdp x expert
                    per_stage * counts["experts"] / s["expert"])  # a device's experts: gathered over fsdp
-    temp = activations * in_flight + state["grads"]
+    held = _held_gradient(config, layout, counts)
+    total += held
+    temp = activations * in_flight + state["grads"] + held
     return StepWork(s, layout.remat, PipelineSummary(stages=s["pipeline"], bubble_fraction=bubble(layout)),
                     Flops(None, flops_per_token * tokens / math.prod(s.values())),
                     EstimatedBytes(state["params"], state["opt_state"], temp, total),
                     {"estimate": _collectives(config, layout, tokens / batch / s["sequence"], model_bytes, width)})
+
+
+def _held_gradient(config, layout: Candidate, counts: dict[str, int]) -> float:
+    """The bytes of one layer's whole gradient that sharding.overlap=all holds while it is
+    reduce-scattered beside the next layer's backward pass (Transformer._deferred), or 0."""
+    m, s = config.model, layout.sizes
+    splitting = {"fsdp"} | ({"data"} if layout.zero_stage == 3 else set())
+    batch = [a for a in ("data", "fsdp", "expert") if s[a] > 1]
+    if (layout.remat != "full" or config.sharding.overlap != "all" or m.moe.num_experts or m.lora.rank
+            or s["sequence"] > 1 or s["pipeline"] > 1 or not batch or not set(batch) <= splitting):
+        return 0.0
+    width = 4 if "float32" in (m.dtype, config.optim.grad_reduce_dtype) else 2
+    return width * counts["layers"] / m.num_layers / s["tensor"]
 
 
 def _context_row(m, mode: str, n: int, layers: float, chunks: int, heads_act: float, recompute: bool

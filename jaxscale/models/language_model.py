@@ -192,7 +192,8 @@ def model_from_config(config, platform: str, layout: Layout | None = None) -> tu
     strategy = Strategy() if layout is None else Strategy.for_layout(
         layout, schedule=config.pipeline.schedule, microbatches=config.pipeline.microbatches,
         virtual_stages=config.pipeline.virtual_stages, context=m.attention.context_parallel,
-        schedule_file=config.pipeline.schedule_file)
+        schedule_file=config.pipeline.schedule_file,
+        overlap=config.sharding.overlap)
     one_cpu = _one_cpu_device(platform, layout)
     cpu_matmul = m.projections == "cpu" or (m.projections == "auto" and one_cpu)
     compiler = platform if layout is None else layout.mesh.devices.flat[0].platform  # CPU devices stand in for GPUs

@@ -31,6 +31,8 @@ class Strategy:
     schedule_file: str = ""        # with pipeline="file": each stage's actions (parallel.schedules.load)
     context: str = "none"          # none | ring | all_gather | ulysses: attention over mesh axis `sequence`
     experts: str = "local"         # local | all_to_all: MoE tokens exchanged over mesh axis `expert`
+    overlap: str = "off"           # off | head | all (names.OVERLAPS): collectives a step away from the
+                                   # compute that needs them (models.vocab, parallel.fsdp.scan_deferred)
 
     def __post_init__(self):
         for name, value, choices, axis in (("pipeline", self.pipeline, PIPELINES, "pipeline"),
@@ -43,7 +45,8 @@ class Strategy:
 
     @classmethod
     def for_layout(cls, layout: Layout, *, schedule: str = "gpipe", microbatches: int = 1,
-                   virtual_stages: int = 1, context: str = "ring", schedule_file: str = "") -> Strategy:
+                   virtual_stages: int = 1, context: str = "ring", schedule_file: str = "",
+                   overlap: str = "off") -> Strategy:
         """The strategy a run on `layout` uses: each algorithm on where its mesh axis is split."""
         shape = layout.mesh.shape
         return cls(layout, pipeline=schedule if shape["pipeline"] > 1 else "none",
@@ -51,7 +54,7 @@ class Strategy:
                    virtual_stages=virtual_stages if shape["pipeline"] > 1 else 1,
                    schedule_file=schedule_file if shape["pipeline"] > 1 else "",
                    context=context if shape["sequence"] > 1 else "none",
-                   experts="all_to_all" if shape["expert"] > 1 else "local")
+                   experts="all_to_all" if shape["expert"] > 1 else "local", overlap=overlap)
 
     @property
     def mesh(self):

@@ -172,7 +172,7 @@ class Transformer(nnx.Module):
         norm_def, norm_params, norm_dims = final_norm
         prelude = (lambda params, x: nnx.merge(norm_def, params)(x), norm_params, norm_dims)
         return cross_entropy(x_BLD, head, targets_BL, s.strategy.layout, s.weights, s.head_chunk_mib, prelude,
-                             s.final_logit_softcap, mask_BL, count, per_token)
+                             s.final_logit_softcap, mask_BL, count, per_token, s.strategy.overlap != "off")
 
     def logits(self, x_BLD):
         """Float32 logits [B, L, V] of the last layer's output: final norm, then the head (then
@@ -240,6 +240,12 @@ class Transformer(nnx.Module):
             count = jax.tree.leaves(params)[0].shape[0]
             if unroll and cache is None:
                 return layers(x_BLD, params, None, count, places, in_turn=False)[0], None
+            if p == 1 and cache is None and self._deferred(dims):
+                def body(layer_params, x, places):
+                    return nnx.merge(graphdef, layer_params)(x, places, None, kinds[0])[0], {}
+                s = self.spec
+                return fsdp.scan_deferred(body, s.strategy.layout, s.weights, params, dims, x_BLD, places,
+                                          layer_indices(places, count)), None
             if p == 1:
                 name = decoding.stack_of(kinds[0])
                 xs = (params, None if cache is None else cache[name], layer_indices(places, count))
@@ -265,6 +271,16 @@ class Transformer(nnx.Module):
             return x_BLD, None if cache is None else periods.joined(head or {}, tail)
 
         return run
+
+    def _deferred(self, dims) -> bool:
+        """Whether a scan of dense layers stored as `dims` reduce-scatters each layer's gradient
+        during the next one's backward pass (Strategy.overlap "all"): under full remat, where the
+        layer's gathers' transposes sum its gradients over all the devices its map splits the
+        batch over (FSDP, ZeRO-3; not a data axis that leaves a sum to the map's edge); not with
+        adapters or fp8 (state beside the weights)."""
+        s = self.spec
+        return (s.strategy.overlap == "all" and s.remat == "full" and not s.moe.num_experts and not s.lora.on
+                and not s.fp8 and s.strategy.context == "none" and fsdp.reduced_in_loop(s.strategy.layout, dims))
 
     def _run_layer(self, body, layer_params, dims, x_BLD, places, remat: bool = True):
         """body(params, x, places) -> (x, stats) on one layer's parameters, remat as set (or none)."""

@@ -166,15 +166,25 @@ class _Head:
     reduce: str
     plan: rings.Stages = ()   # the weight gradient's reduce-scatter over d_axes, in stages
     softcap: float = 0.0      # logits z -> softcap * tanh(z / softcap); 0 = none
+    ahead: bool = False       # chunk weights gathered a chunk ahead, gradients reduce-scattered a chunk behind
 
 
-def chunk_columns(tokens: int, columns: int, mib: float, split: bool = False) -> int:
+AHEAD_SHARE = 8  # chunks gathered ahead: a chunk's weight at most 1/8 of model.head_chunk_mib (see chunk_columns)
+
+
+def chunk_columns(tokens: int, columns: int, mib: float, split: bool = False, ahead_rows: int = 0,
+                  itemsize: int = 2) -> int:
     """Vocabulary columns per chunk so that a chunk's float32 logits of `tokens` rows take at
     most `mib` MiB (0: one chunk), a multiple of 128 where it splits; at least two chunks when
-    the weight is `split` along D, so that no device gathers the whole of it."""
+    the weight is `split` along D, so that no device gathers the whole of it. With `ahead_rows`
+    (the gathered weight's rows, when chunks are gathered ahead: _ahead), a chunk's weight of
+    `itemsize` bytes an element also takes at most mib / AHEAD_SHARE MiB: three of them are live at once (the chunk
+    in use, the next, the previous one's gradient) where the logits' chunk is one."""
     fit = columns if mib <= 0 else max(128, int(mib * MIB // (4 * max(tokens, 1))) // 128 * 128)
     if split and columns > 1:
         fit = min(fit, -(-columns // 2))
+    if ahead_rows and mib > 0:
+        fit = min(fit, max(128, int(mib * MIB / AHEAD_SHARE // (itemsize * ahead_rows)) // 128 * 128))
     return min(columns, fit)
 
 
@@ -182,6 +192,33 @@ def _chunk_weight(w_DV, c, head: _Head):
     """Chunk c of the weight in the compute dtype, gathered over the D split: [D, chunk]."""
     w_chunk = jax.lax.dynamic_slice_in_dim(w_DV, c * head.chunk, head.chunk, axis=1).astype(head.compute)
     return jax.lax.all_gather(w_chunk, head.d_axes, axis=0, tiled=True) if head.d_axes else w_chunk
+
+
+def _ahead(head: _Head) -> bool:
+    """Whether the chunks' weight gathers run a chunk ahead (and their gradients' reduce-scatters
+    a chunk behind) of the matmuls: where the weight is split along D over several chunks."""
+    return head.ahead and bool(head.d_axes) and head.chunks > 1
+
+
+def _over_chunks(step, carry, w_DV, head: _Head, first: int = 0):
+    """scan of step(carry, c, chunk c's weight gathered) -> (carry, y) over chunks c = first ..
+    head.chunks - 1: (carry, the ys stacked or None). With _ahead, each chunk's weight is
+    gathered during the previous chunk's step, beside its matmuls, not before its own."""
+    def fetch(c):
+        return _chunk_weight(w_DV, c, head)
+
+    if not _ahead(head):
+        return jax.lax.scan(lambda carry, c: step(carry, c, fetch(c)), carry, jnp.arange(first, head.chunks))
+
+    def one(state, c):
+        carry, w_chunk = state
+        upcoming = fetch(c + 1)
+        carry, y = step(carry, c, w_chunk)
+        return (carry, upcoming), y
+
+    (carry, w_chunk), ys = jax.lax.scan(one, (carry, fetch(first)), jnp.arange(first, head.chunks - 1))
+    carry, y = step(carry, head.chunks - 1, w_chunk)
+    return carry, None if y is None else jnp.concatenate([ys, y[None]])
 
 
 def _chunk_logits(x_TD, w_chunk, c, head: _Head):
@@ -214,9 +251,9 @@ def _forward(x_TD, w_DV, targets_T, head: _Head):
     """(each token's cross entropy, its log-sum-exp, the probabilities when there is one chunk)."""
     targets = _targets_local(targets_T, head)
 
-    def step(carry, c):
+    def step(carry, c, w_chunk):
         top, total, picked = carry
-        logits, columns = _chunk_logits(x_TD, _chunk_weight(w_DV, c, head), c, head)
+        logits, columns = _chunk_logits(x_TD, w_chunk, c, head)
         new_top = jnp.maximum(top, logits.max(-1))
         total = total * jnp.exp(top - new_top) + jnp.exp(logits - new_top[:, None]).sum(-1)
         picked = picked + jnp.where(columns[None] == targets[:, None], logits, 0.0).sum(-1)
@@ -224,7 +261,7 @@ def _forward(x_TD, w_DV, targets_T, head: _Head):
 
     T = x_TD.shape[0]
     start = (jnp.full((T,), -jnp.inf), jnp.zeros((T,)), jnp.zeros((T,)))
-    (top, total, picked), logits = jax.lax.scan(step, start, jnp.arange(head.chunks))
+    (top, total, picked), logits = _over_chunks(step, start, w_DV, head)
     if head.v_axes:
         overall = jax.lax.pmax(top, head.v_axes)
         total = jax.lax.psum(total * jnp.exp(top - overall), head.v_axes)
@@ -254,9 +291,7 @@ def _bwd(head, residuals, cotangents):
     g = jnp.broadcast_to(g, lse.shape) if mask_T is None else g * mask_T  # each token's share
     scale = (g + 2 * g_z * lse * (1.0 if mask_T is None else mask_T))[:, None]
 
-    def step(carry, c):
-        dx, dw = carry
-        w_chunk = _chunk_weight(w_DV, c, head)
+    def grads(dx, c, w_chunk):  # (dx, chunk c's weight gradient, whole over the D split)
         if probs is None:
             logits, columns = _chunk_logits(x_TD, w_chunk, c, head)
             p = jnp.exp(logits - lse[:, None])
@@ -267,13 +302,31 @@ def _bwd(head, residuals, cotangents):
             d_logits = uncap(d_logits, jnp.where(columns < head.columns, logits, 0.0), head.softcap)
         d_logits = d_logits.astype(head.compute)
         dx = dx + jnp.einsum("TV,DV->TD", d_logits, w_chunk, preferred_element_type=jnp.float32)
-        d_chunk = jnp.einsum("TD,TV->DV", x_TD, d_logits, preferred_element_type=jnp.float32).astype(head.reduce)
+        return dx, jnp.einsum("TD,TV->DV", x_TD, d_logits, preferred_element_type=jnp.float32).astype(head.reduce)
+
+    def reduced(dw, c, d_chunk):
         if head.d_axes:
             d_chunk = rings.reduce_scatter(d_chunk, head.d_axes, 0, head.plan)
-        return (dx, jax.lax.dynamic_update_slice_in_dim(dw, d_chunk, c * head.chunk, axis=1)), None
+        return jax.lax.dynamic_update_slice_in_dim(dw, d_chunk, c * head.chunk, axis=1)
 
-    start = (jnp.zeros(x_TD.shape, jnp.float32), jnp.zeros(w_DV.shape, head.reduce))
-    (dx, dw), _ = jax.lax.scan(step, start, jnp.arange(head.chunks))
+    dx, dw = jnp.zeros(x_TD.shape, jnp.float32), jnp.zeros(w_DV.shape, head.reduce)
+    if not _ahead(head):
+        def step(carry, c, w_chunk):
+            dx, d_chunk = grads(carry[0], c, w_chunk)
+            return (dx, reduced(carry[1], c, d_chunk)), None
+        (dx, dw), _ = _over_chunks(step, (dx, dw), w_DV, head)
+    else:  # each chunk's gradient reduce-scattered during the next chunk's matmuls
+        # The first and last chunks run outside the loops, where XLA would reuse the forward's
+        # logits of the same chunk (held across the layers' backward) instead of recomputing them.
+        x_TD, w_DV = jax.lax.optimization_barrier((x_TD, w_DV))
+
+        def step(carry, c, w_chunk):
+            dx, dw, pending = carry
+            dx, d_chunk = grads(dx, c, w_chunk)
+            return (dx, reduced(dw, c - 1, pending), d_chunk), None
+        dx, pending = grads(dx, 0, _chunk_weight(w_DV, 0, head))
+        (dx, dw, pending), _ = _over_chunks(step, (dx, dw, pending), w_DV, head, first=1)
+        dw = reduced(dw, head.chunks - 1, pending)
     return dx.astype(x_TD.dtype), dw.astype(w_DV.dtype), None, None
 
 
@@ -300,14 +353,15 @@ _token_cross_entropy.defvjp(_token_fwd, _token_bwd)
 
 
 def _local_loss(x_BLD, w_DV, targets_BL, mask_BL, d_axes, v_axes, columns, weights: Weights, chunk_mib: float,
-                plan: rings.Stages = (), cap: float = 0.0, per_token: bool = False):
+                plan: rings.Stages = (), cap: float = 0.0, per_token: bool = False, ahead: bool = False):
     """The (weighted: mask_BL, None for 1) sum of this device's tokens' cross entropies (with
     per_token, each one's, [B, L]): its weight block [D/|d_axes|, V/|v_axes|] padded to whole chunks."""
     B, L, D = x_BLD.shape
-    chunk = chunk_columns(B * L, columns, chunk_mib, bool(d_axes))
+    chunk = chunk_columns(B * L, columns, chunk_mib, bool(d_axes), D if ahead and d_axes else 0,
+                          jnp.dtype(weights.compute).itemsize)
     chunks = -(-columns // chunk)
     w_DV = jnp.pad(w_DV, ((0, 0), (0, chunks * chunk - columns)))
-    head = _Head(d_axes, v_axes, columns, chunk, chunks, weights.compute, weights.reduce, plan, cap)
+    head = _Head(d_axes, v_axes, columns, chunk, chunks, weights.compute, weights.reduce, plan, cap, ahead)
     x_TD, targets_T = x_BLD.reshape(B * L, D).astype(weights.compute), targets_BL.reshape(-1)
     if per_token:
         return _token_cross_entropy(x_TD, w_DV, targets_T, head).reshape(B, L)
@@ -316,7 +370,7 @@ def _local_loss(x_BLD, w_DV, targets_BL, mask_BL, d_axes, v_axes, columns, weigh
 
 
 def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chunk_mib: float, prelude=None,
-                  cap: float = 0.0, mask_BL=None, count=None, per_token: bool = False):
+                  cap: float = 0.0, mask_BL=None, count=None, per_token: bool = False, ahead: bool = False):
     """(mean next-token cross entropy of the logits x @ head, mean squared log-sum-exp of the
     logits: the z-loss), over the vocabulary, float32 throughout, the logits in chunks, each
     soft-capped at `cap` (0: not); with mask_BL (0/1 per token, placed as the tokens) the means
@@ -361,7 +415,7 @@ def cross_entropy(x_BLD, head: Table, targets_BL, layout, weights: Weights, chun
         if v_gather:
             w_DV = jax.lax.all_gather(w_DV, v_gather, axis=1, tiled=True)
         sums = _local_loss(x_BLD, w_DV, targets_BL, mask_BL, d_axes, v_axes, columns, weights, chunk_mib,
-                           rings.stages(layout.mesh, d_axes), cap, per_token)
+                           rings.stages(layout.mesh, d_axes), cap, per_token, ahead)
         if per_token:
             return sums
         if given is not None:

@@ -103,29 +103,55 @@ def gather_plans(mesh, dims: Entries) -> tuple[rings.Stages, ...]:
     return tuple(rings.stages(mesh, axes) for axes in dims)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """How a weight's shard becomes whole in a layer's map: the manual axes each dimension is
+    gathered over, their reduce-scatter stages, and the axes still free (tensor) that the gather
+    maps over too (None: none)."""
+
+    gathered: Entries
+    plans: tuple[rings.Stages, ...]
+    free: Entries | None
+
+
+def _split(stored: sharding.Stored, axes: tuple[str, ...], layout: sharding.Layout) -> _Split:
+    dims = stored.split
+    gathered = tuple(tuple(a for a in e if a not in kept) for e, kept in
+                     zip(keep(dims, tuple(a for a in axes if a in layout.weight_axes)), stored.kept))
+    free = layout.free_axes()
+    rest = tuple(tuple(a for a in e if a in free and layout.mesh.shape[a] > 1) for e in dims)
+    return _Split(gathered, gather_plans(layout.mesh, gathered) if any(gathered) else (),
+                  rest if any(rest) else None)
+
+
+def _mapped(f, x, split: _Split, layout: sharding.Layout):
+    """f(x) in a map over the weight's free axes (see _whole), or directly."""
+    if split.free is None:
+        return f(x)
+    spec = to_spec(split.free)
+    return jax.shard_map(f, mesh=layout.mesh_here(), in_specs=spec, out_specs=spec,
+                         axis_names={a for e in split.free for a in e}, check_vma=False)(x)
+
+
 def _whole(x, stored: sharding.Stored, axes: tuple[str, ...], compute: str, layout: sharding.Layout):
     """x (a weight's shard stored as `stored` says) whole over the map's `axes`, in the compute
     dtype, but for the splits it keeps (an expert weight's over `expert`). Its splits over other
     axes (tensor) stay: the gather runs in a map over them too, because in a partly manual region
     XLA gathers an operand's automatic dimensions before a collective (measured: every weight
     all-gathered over `tensor` under fsdp x tensor)."""
-    dims = stored.split
-    gathered = tuple(tuple(a for a in e if a not in kept) for e, kept in
-                     zip(keep(dims, tuple(a for a in axes if a in layout.weight_axes)), stored.kept))
-    if not any(gathered):
+    split = _split(stored, axes, layout)
+    if not any(split.gathered):
         return x.astype(compute)
-    plans = gather_plans(layout.mesh, gathered)
+    return _mapped(lambda x: gather(x, split.gathered, compute, split.plans), x, split, layout)
 
-    def whole(x):
-        return gather(x, gathered, compute, plans)
 
-    free = layout.free_axes()
-    rest = tuple(tuple(a for a in e if a in free and layout.mesh.shape[a] > 1) for e in dims)
-    if not any(rest):
-        return whole(x)
-    spec = to_spec(rest)
-    return jax.shard_map(whole, mesh=layout.mesh_here(), in_specs=spec, out_specs=spec,
-                         axis_names={a for e in rest for a in e}, check_vma=False)(x)
+def _reduced(g, stored: sharding.Stored, axes: tuple[str, ...], dtype, layout: sharding.Layout):
+    """The gradient of _whole's output, `g`, reduce-scattered into x's shard, in `dtype` (x's):
+    _whole's transpose, on its own."""
+    split = _split(stored, axes, layout)
+    if not any(split.gathered):
+        return g.astype(dtype)
+    return _mapped(lambda g: _bwd(split.gathered, None, split.plans, jnp.zeros((), dtype), g)[0], g, split, layout)
 
 
 def run(fn, layout: sharding.Layout | None, weights: Weights, params, dims, x_BLD, places,
@@ -154,3 +180,78 @@ def run(fn, layout: sharding.Layout | None, weights: Weights, params, dims, x_BL
     tokens = P(rows, along or None)
     return jax.shard_map(remat(use), mesh=layout.mesh_here(), in_specs=(specs, tokens, tokens),
                          out_specs=(tokens, P()), axis_names=set(axes), check_vma=False)(inward, x_BLD, places)
+
+
+def reduced_in_loop(layout: sharding.Layout | None, dims, length: bool = False) -> bool:
+    """Whether a layer's gradients, `dims` its weights' stored splits (Layout.placed), are summed
+    over every axis of its map (map_axes) of more than one device by its gathers' transposes,
+    so that nothing is left for the map's edge but the small weights kept whole (norm scales)."""
+    rows, along = map_axes(layout, length)
+    axes = rows + along
+    if not axes:
+        return False
+    gathered = {a for d in jax.tree.leaves(dims, is_leaf=lambda x: isinstance(x, sharding.Stored))
+                for e in _split(d, axes, layout).gathered for a in e}
+    return all(a in gathered for a in axes if layout.mesh.shape[a] > 1)
+
+
+def scan_deferred(fn, layout: sharding.Layout, weights: Weights, params, dims, x_BLD, places, indices):
+    """The layers of stacked `params` ([layers, ...] each, stored as `dims` says of one layer) in
+    a scan, fn(whole params, x, places) -> (y, {}) each, fully rematerialised, with each layer's
+    gradient reduce-scattered during the backward pass of the layer before it: the reduction
+    depends on nothing that layer computes, so the compiler can run it beside that layer's
+    matmuls, where a layer's own reduce-scatters wait for its last gradient. The gradient of
+    one layer is kept whole in the meantime. For layers whose gradients are reduced within
+    (reduced_in_loop); the small weights kept whole are summed at the map's edge, once for all."""
+    axes, _ = map_axes(layout)
+    inward = jax.tree.map(lambda p: p.astype(weights.reduce), params)
+    specs = jax.tree.map(lambda _, d: P(None, *to_spec(keep(d.split, axes))), params, dims)
+    tokens = P(axes)
+
+    def whole(p):
+        return jax.tree.map(lambda p, d: _whole(p, d, axes, weights.compute, layout), p, dims)
+
+    def reduced(g):
+        return jax.tree.map(lambda g, d: _reduced(g, d, axes, weights.reduce, layout), g, dims)
+
+    def layer(w, x, places, i):
+        return fn(w, x, places.at_layer(i))[0]
+
+    def forward(p, x, places, indices):
+        def one(x, xs):
+            return layer(whole(xs[0]), x, places, xs[1]), x
+        return jax.lax.scan(one, x, (p, indices))
+
+    @jax.custom_vjp
+    def loop(p, x, places, indices):
+        return forward(p, x, places, indices)[0]
+
+    def loop_fwd(p, x, places, indices):
+        y, inputs = forward(p, x, places, indices)
+        return y, (p, inputs, places, indices)
+
+    def loop_bwd(saved, dy):
+        p, inputs, places, indices = saved
+
+        def pull(xs, dy):  # (dx, the layer's whole gradient)
+            w, x, index = xs
+            dw, dx = jax.vjp(lambda w, x: layer(w, x, places, index), whole(w), x)[1](dy)
+            return dx, dw
+
+        def one(carry, xs):  # a layer's backward, and the next layer's gradient reduce-scattered beside it
+            dy, pending = carry
+            return pull(xs, dy), reduced(pending)
+
+        xs = (p, inputs, indices)
+        dx, pending = pull(jax.tree.map(lambda a: a[-1], xs), dy)
+        (dx, pending), later = jax.lax.scan(one, (dx, pending), jax.tree.map(lambda a: a[:-1], xs), reverse=True)
+        grads = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), reduced(pending), later)
+        return grads, dx, None, None
+
+    loop.defvjp(loop_fwd, loop_bwd)
+
+    def local(p, x, places, indices):
+        return loop(p, x, places, indices)
+
+    return jax.shard_map(local, mesh=layout.mesh_here(), in_specs=(specs, tokens, tokens, P()),
+                         out_specs=tokens, axis_names=set(axes), check_vma=False)(inward, x_BLD, places, indices)
