@@ -173,8 +173,8 @@ def _add_parallelism(c: ml_collections.ConfigDict) -> None:
                                   # chunk behind (models/vocab.py). all: also, under model.remat=full, each scanned
                                   # layer's gradients reduce-scattered during the previous layer's backward,
                                   # one layer's whole gradient held meanwhile (parallel/fsdp.py). Llama-3-8B
-                                  # on v5p-256 at fsdp=128: 22% of the bytes sent exposed off, 8.7% with all,
-                                  # for 0.9 GiB a chip (docs/planning.md#what-the-schedule-hides)
+                                  # on v5p-256 at fsdp=128: 22% of the bytes sent exposed off, 15% head, 8.7%
+                                  # all, for 0.23 and 0.91 GiB a chip (docs/planning.md#what-the-schedule-hides)
         rules={name: ",".join(axes) for name, axes in DEFAULT_RULES.items()},  # logical axis -> mesh axes
     )
 

@@ -143,15 +143,11 @@ def test_compiled_matmul_flops_match_the_formula(plans, name):
     # Every device does its share of the matmuls and no more; the pipeline plan does more per
     # device, its bubble ticks included. Beyond the formula, the blockwise attention recomputes its
     # scores in the backward (measured 1.021 of the formula on tiny.py, 1 + 0.021 recomputed), and
-    # a head split along d_model (fsdp) runs in chunks whose logits the backward recomputes, but
-    # for those of the first and last chunk when they are gathered ahead (sharding.overlap=head or
-    # all; off by default): those run outside the loops, and XLA:CPU takes them from the forward pass (the TPU
-    # compiler recomputes them, kept apart by an optimization barrier: models/vocab.py). tiny.py
-    # splits its vocabulary into two chunks there: no head recompute.
+    # a head split along d_model (fsdp) runs in chunks whose logits the backward recomputes.
     config = _layout_config(name)
     recompute = mfu.attention_recompute_flops_per_token(model_from_config(config, "cpu")[0].spec,
                                                             config.train.seq_len)
-    if config.mesh.fsdp > 1 and config.sharding.overlap == "off":
+    if config.mesh.fsdp > 1:
         recompute += 2 * config.model.d_model * config.model.vocab_size
     formula = plans[name].flops.formula_per_device
     per_device = config.train.global_batch_size * config.train.seq_len / math.prod(plans[name].mesh.values())

@@ -200,25 +200,26 @@ def _ahead(head: _Head) -> bool:
     return head.ahead and bool(head.d_axes) and head.chunks > 1
 
 
-def _over_chunks(step, carry, w_DV, head: _Head, first: int = 0):
-    """scan of step(carry, c, chunk c's weight gathered) -> (carry, y) over chunks c = first ..
-    head.chunks - 1: (carry, the ys stacked or None). With _ahead, each chunk's weight is
-    gathered during the previous chunk's step, beside its matmuls, not before its own."""
+def _over_chunks(step, carry, w_DV, head: _Head):
+    """scan of step(carry, c, chunk c's weight gathered) -> (carry, y) over the chunks: (carry, the
+    ys stacked or None). With _ahead, each chunk's weight is gathered during the previous chunk's
+    step, beside its matmuls, not before its own (the last step gathers the first chunk again, for
+    nothing: one chunk's bytes more, where running a chunk outside the loop would have XLA keep
+    the forward's logits of that chunk for the backward)."""
     def fetch(c):
         return _chunk_weight(w_DV, c, head)
 
     if not _ahead(head):
-        return jax.lax.scan(lambda carry, c: step(carry, c, fetch(c)), carry, jnp.arange(first, head.chunks))
+        return jax.lax.scan(lambda carry, c: step(carry, c, fetch(c)), carry, jnp.arange(head.chunks))
 
     def one(state, c):
         carry, w_chunk = state
-        upcoming = fetch(c + 1)
+        upcoming = fetch((c + 1) % head.chunks)
         carry, y = step(carry, c, w_chunk)
         return (carry, upcoming), y
 
-    (carry, w_chunk), ys = jax.lax.scan(one, (carry, fetch(first)), jnp.arange(first, head.chunks - 1))
-    carry, y = step(carry, head.chunks - 1, w_chunk)
-    return carry, None if y is None else jnp.concatenate([ys, y[None]])
+    (carry, _), ys = jax.lax.scan(one, (carry, fetch(0)), jnp.arange(head.chunks))
+    return carry, ys
 
 
 def _chunk_logits(x_TD, w_chunk, c, head: _Head):
@@ -316,16 +317,12 @@ def _bwd(head, residuals, cotangents):
             return (dx, reduced(carry[1], c, d_chunk)), None
         (dx, dw), _ = _over_chunks(step, (dx, dw), w_DV, head)
     else:  # each chunk's gradient reduce-scattered during the next chunk's matmuls
-        # The first and last chunks run outside the loops, where XLA would reuse the forward's
-        # logits of the same chunk (held across the layers' backward) instead of recomputing them.
-        x_TD, w_DV = jax.lax.optimization_barrier((x_TD, w_DV))
-
-        def step(carry, c, w_chunk):
+        def step(carry, c, w_chunk):  # (the first step reduces a zero gradient, into a slot the last one fills)
             dx, dw, pending = carry
             dx, d_chunk = grads(dx, c, w_chunk)
-            return (dx, reduced(dw, c - 1, pending), d_chunk), None
-        dx, pending = grads(dx, 0, _chunk_weight(w_DV, 0, head))
-        (dx, dw, pending), _ = _over_chunks(step, (dx, dw, pending), w_DV, head, first=1)
+            return (dx, reduced(dw, (c - 1) % head.chunks, pending), d_chunk), None
+        nothing = jnp.zeros((x_TD.shape[1], head.chunk), head.reduce)
+        (dx, dw, pending), _ = _over_chunks(step, (dx, dw, nothing), w_DV, head)
         dw = reduced(dw, head.chunks - 1, pending)
     return dx.astype(x_TD.dtype), dw.astype(w_DV.dtype), None, None
 
