@@ -284,8 +284,8 @@ _DIMENSIONS = {"embed": ("model.d_model",), "heads": ("model.num_heads",), "kv_h
 
 
 def check_layout(config, rules: Mapping[str, tuple[str, ...]], sizes: Mapping[str, int]) -> None:
-    """A valid ZeRO stage and overlap setting, and every dimension the rules split divides evenly into its pieces
-    (shardings must be even); raises ConfigError naming the field to change."""
+    """A valid ZeRO stage and overlap setting, and every dimension the rules split divides evenly
+    into its pieces (shardings must be even); raises ConfigError naming the field to change."""
     require(0 <= config.zero_stage <= 3, "zero_stage", config.zero_stage, "choose 0, 1, 2 or 3")
     require_choice("sharding.overlap", config.sharding.overlap, OVERLAPS)
     for name, fields in _DIMENSIONS.items():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxscale.names import CONTEXT_PARALLEL, PIPELINE_SCHEDULES
+from jaxscale.names import CONTEXT_PARALLEL, OVERLAPS, PIPELINE_SCHEDULES
 from jaxscale.parallel import schedules
 from jaxscale.sharding import Layout
 
@@ -42,6 +42,8 @@ class Strategy:
                 raise ValueError(f"Strategy.{name}={value!r}: choose one of {', '.join(choices)}")
             if value != choices[0] and (self.layout is None or self.layout.mesh.shape[axis] == 1):
                 raise ValueError(f"Strategy.{name}={value!r} needs a layout whose mesh splits '{axis}'")
+        if self.overlap not in OVERLAPS:
+            raise ValueError(f"Strategy.overlap={self.overlap!r}: choose one of {', '.join(OVERLAPS)}")
 
     @classmethod
     def for_layout(cls, layout: Layout, *, schedule: str = "gpipe", microbatches: int = 1,

@@ -178,8 +178,8 @@ def chunk_columns(tokens: int, columns: int, mib: float, split: bool = False, ah
     most `mib` MiB (0: one chunk), a multiple of 128 where it splits; at least two chunks when
     the weight is `split` along D, so that no device gathers the whole of it. With `ahead_rows`
     (the gathered weight's rows, when chunks are gathered ahead: _ahead), a chunk's weight of
-    `itemsize` bytes an element also takes at most mib / AHEAD_SHARE MiB: three of them are live at once (the chunk
-    in use, the next, the previous one's gradient) where the logits' chunk is one."""
+    `itemsize` bytes an element also takes at most mib / AHEAD_SHARE MiB: three of them are live
+    at once (the chunk in use, the next, the previous one's gradient) where the logits' chunk is one."""
     fit = columns if mib <= 0 else max(128, int(mib * MIB // (4 * max(tokens, 1))) // 128 * 128)
     if split and columns > 1:
         fit = min(fit, -(-columns // 2))

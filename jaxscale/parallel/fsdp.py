@@ -87,12 +87,17 @@ def _fwd(x, dims, compute, plans):
     return _gather_fwd(x, dims, compute), jnp.zeros((), x.dtype)
 
 
-def _bwd(dims, compute, plans, dtype_of_x, g):
-    g = g.astype(dtype_of_x.dtype)
+def _scatter(g, dims: Entries, plans: tuple[rings.Stages, ...]):
+    """g reduce-scattered over the manual axes `dims` names, each dimension's in the stages of
+    `plans`: the transpose of _gather_fwd's all-gathers."""
     for dim, axes in reversed(list(enumerate(dims))):
         if axes:
             g = rings.reduce_scatter(g, axes, dim, plans[dim] if plans else ())
-    return (g,)
+    return g
+
+
+def _bwd(dims, compute, plans, dtype_of_x, g):
+    return (_scatter(g.astype(dtype_of_x.dtype), dims, plans),)
 
 
 gather.defvjp(_fwd, _bwd)
@@ -151,7 +156,7 @@ def _reduced(g, stored: sharding.Stored, axes: tuple[str, ...], dtype, layout: s
     split = _split(stored, axes, layout)
     if not any(split.gathered):
         return g.astype(dtype)
-    return _mapped(lambda g: _bwd(split.gathered, None, split.plans, jnp.zeros((), dtype), g)[0], g, split, layout)
+    return _mapped(lambda g: _scatter(g.astype(dtype), split.gathered, split.plans), g, split, layout)
 
 
 def run(fn, layout: sharding.Layout | None, weights: Weights, params, dims, x_BLD, places,
@@ -182,12 +187,11 @@ def run(fn, layout: sharding.Layout | None, weights: Weights, params, dims, x_BL
                          out_specs=(tokens, P()), axis_names=set(axes), check_vma=False)(inward, x_BLD, places)
 
 
-def reduced_in_loop(layout: sharding.Layout | None, dims, length: bool = False) -> bool:
+def reduced_in_loop(layout: sharding.Layout | None, dims) -> bool:
     """Whether a layer's gradients, `dims` its weights' stored splits (Layout.placed), are summed
     over every axis of its map (map_axes) of more than one device by its gathers' transposes,
     so that nothing is left for the map's edge but the small weights kept whole (norm scales)."""
-    rows, along = map_axes(layout, length)
-    axes = rows + along
+    axes, _ = map_axes(layout)
     if not axes:
         return False
     gathered = {a for d in jax.tree.leaves(dims, is_leaf=lambda x: isinstance(x, sharding.Stored))
