@@ -92,6 +92,16 @@ def run(body: Callable[[list[str]], None], usage: str, argv: list[str] | None = 
     return _exit_code(lambda: body(argv))
 
 
+def exit_process(code: int) -> None:
+    """A command's last act: exit with `code`. Once JAX has started, the interpreter's teardown
+    is skipped (runtime/distributed.leave says why)."""
+    if "jax" in sys.modules:
+        from jaxscale.runtime import distributed
+
+        distributed.leave(code)
+    sys.exit(code)
+
+
 def main(command: Callable[[object, str, dict], None], usage: str, extra: dict[str, type],
          argv: list[str] | None = None) -> int:
     """Parse flags, load the config, run `command(config, path, flags)`; bad input exits 2."""

@@ -10,8 +10,6 @@ Exit codes: 0 done, 2 bad input (one line on stderr), 1 anything else.
 
 from __future__ import annotations
 
-import sys
-
 from jaxscale import cli
 from jaxscale.errors import ConfigError
 
@@ -50,4 +48,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.exit_process(main())

@@ -27,15 +27,10 @@ def _train(config, path: str, flags: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    code = cli.main(_train, USAGE, {"workdir": str}, argv)
-    if "jax" not in sys.modules:  # help or a bad flag: JAX never started
-        return code
-    from jaxscale.runtime import distributed
-
-    return distributed.leave(code)
+    return cli.main(_train, USAGE, {"workdir": str}, argv)
 
 
 if __name__ == "__main__":
     # A fresh interpreter running jaxscale as it is on disk: whole programs may be kept (runtime/program_cache.py).
     os.environ.setdefault("JAXSCALE_PROGRAM_CACHE", "1")
-    sys.exit(main())
+    cli.exit_process(main())

@@ -142,20 +142,20 @@ def job_description() -> str:
     return f"{jax.process_count()} processes x {jax.local_device_count()} devices"
 
 
-def leave(code: int) -> int:
-    """End this process's part of a multi-process job with exit code `code`: every process leaves
-    the coordination service together (`jax.distributed.shutdown` waits for the others), then the
-    process ends at once, its output flushed. Interpreter teardown is skipped on purpose: with the
-    runtime's C++ threads still alive it sometimes aborted a job that had finished cleanly (exit
-    -6 after the final checkpoint committed). Everything of ours is closed before this is called.
-    A single process returns `code` and exits as usual."""
-    if not jax.distributed.is_initialized():
-        return code
-    try:
-        jax.distributed.shutdown()
-    except Exception as error:  # another process is already gone: nothing is left to coordinate
-        print(f"jaxscale: note: process {jax.process_index()} left the job without the others: {error}",
-              file=sys.stderr)
+def leave(code: int) -> None:
+    """End this process with exit code `code`, skipping the interpreter's teardown. In a
+    multi-process job every process first leaves the coordination service together
+    (`jax.distributed.shutdown` waits for the others). Teardown is skipped on purpose: threads of
+    the runtime and of TensorStore that call back into Python can be cut off mid-call while the
+    interpreter finalizes, which aborts a run that finished cleanly (exit -6 after the final
+    checkpoint committed, seen with one process and with several). Everything of ours is closed
+    before this is called; the output is flushed here."""
+    if jax.distributed.is_initialized():
+        try:
+            jax.distributed.shutdown()
+        except Exception as error:  # another process is already gone: nothing is left to coordinate
+            print(f"jaxscale: note: process {jax.process_index()} left the job without the others: {error}",
+                  file=sys.stderr)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
