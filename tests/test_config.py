@@ -30,7 +30,8 @@ def test_defaults_and_shipped_configs_validate():
 # digits published: the configs build those models.
 PUBLISHED_PARAMS = {"llama3_1_8b": 8.03e9, "llama_1b": 1.24e9, "mistral_7b": 7.25e9, "qwen3_8b": 8.19e9,
                     "qwen3_1_7b": 1.72e9, "gemma2_2b": 2.61e9, "gemma3_1b": 1.00e9, "mixtral_8x7b": 46.7e9,
-                    "qwen3_30b_a3b": 30.5e9, "deepseek_v3_671b": 671e9}
+                    "qwen3_30b_a3b": 30.5e9, "deepseek_v3_671b": 671e9,
+                    "llama2_70b": 68.98e9}
 
 
 @pytest.mark.parametrize("name", PUBLISHED_PARAMS)
