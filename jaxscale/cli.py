@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from jaxscale.errors import ConfigError, PreflightError, RunError
 
@@ -92,7 +93,7 @@ def run(body: Callable[[list[str]], None], usage: str, argv: list[str] | None = 
     return _exit_code(lambda: body(argv))
 
 
-def exit_process(code: int) -> None:
+def exit_process(code: int) -> NoReturn:
     """A command's last act: exit with `code`. Once JAX has started, the interpreter's teardown
     is skipped (runtime/distributed.leave says why)."""
     if "jax" in sys.modules:

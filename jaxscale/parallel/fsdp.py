@@ -259,9 +259,5 @@ def scan_deferred(fn, layout: sharding.Layout, weights: Weights, params, dims, x
         return put(grads, 0, pending), dx, None, None
 
     loop.defvjp(loop_fwd, loop_bwd)
-
-    def local(p, x, places, indices):
-        return loop(p, x, places, indices)
-
-    return jax.shard_map(local, mesh=layout.mesh_here(), in_specs=(specs, tokens, tokens, P()),
+    return jax.shard_map(loop, mesh=layout.mesh_here(), in_specs=(specs, tokens, tokens, P()),
                          out_specs=tokens, axis_names=set(axes), check_vma=False)(inward, x_BLD, places, indices)

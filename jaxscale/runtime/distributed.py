@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import sys
+from typing import NoReturn
 
 import jax
 import numpy as np
@@ -142,7 +143,7 @@ def job_description() -> str:
     return f"{jax.process_count()} processes x {jax.local_device_count()} devices"
 
 
-def leave(code: int) -> None:
+def leave(code: int) -> NoReturn:
     """End this process with exit code `code`, skipping the interpreter's teardown. In a
     multi-process job every process first leaves the coordination service together
     (`jax.distributed.shutdown` waits for the others). Teardown is skipped on purpose: threads of
