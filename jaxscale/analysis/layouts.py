@@ -165,7 +165,7 @@ def _held_gradient(config, layout: Candidate, counts: dict[str, int]) -> float:
     m, s = config.model, layout.sizes
     splitting = {"fsdp"} | ({"data"} if layout.zero_stage == 3 else set())
     batch = [a for a in ("data", "fsdp", "expert") if s[a] > 1]
-    if (layout.remat != "full" or config.sharding.overlap != "all" or m.moe.num_experts or m.lora.rank
+    if (layout.remat != "full" or config.sharding.overlap != "all" or m.moe.num_experts or m.lora.rank or m.fp8
             or s["sequence"] > 1 or s["pipeline"] > 1 or not batch or not set(batch) <= splitting):
         return 0.0
     width = 4 if "float32" in (m.dtype, config.optim.grad_reduce_dtype) else 2
