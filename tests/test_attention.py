@@ -11,6 +11,7 @@ from jaxscale.analysis import hlo_stats
 from jaxscale.build import build
 from jaxscale.errors import ConfigError
 from jaxscale.kernels import flash, splash
+from jaxscale.models import attention
 from jaxscale.models.attention import Placement, cached_attention, document_positions, resolve_impl, self_attention
 
 
@@ -40,6 +41,35 @@ def test_soft_capped_logits_take_no_cudnn_attention():
         "xla", f"warning: model.attention.impl=cudnn falls back to xla: {reason}")
     assert resolve_impl("auto", "tpu", jnp.bfloat16, 64, length=256, softcap=50.0)[0] == "splash"
     assert resolve_impl("auto", "gpu", jnp.bfloat16, 64, softcap=0.0)[0] == "cudnn"
+
+
+def test_latent_attention_takes_cudnn_and_never_splash():
+    """Latent attention's query and key width decides cuDNN (DeepSeek-V3's 192 fits its 256);
+    splash is refused in one line."""
+    assert resolve_impl("auto", "gpu", jnp.bfloat16, 192, latent=True) == (
+        "cudnn", "attention: cudnn flash attention (model.attention.impl=auto)")
+    assert resolve_impl("auto", "gpu", jnp.bfloat16, 320, latent=True)[0] == "xla"
+    assert resolve_impl("auto", "tpu", jnp.bfloat16, 192, length=256, latent=True) == (
+        "xla", f"attention: xla ({attention.LATENT})")
+
+
+def test_values_narrower_than_keys_widened_for_a_kernel_that_needs_one_width():
+    """A kernel that takes only values as wide as the keys (here XLA's reference attention, as
+    cuDNN's through jax.nn) computes latent attention's narrower values through `widened`:
+    output and gradients equal the blockwise kernel's, which takes them as they are."""
+    q, k, _, positions, _ = _inputs(False, kv_heads=4, dim=12)
+    v = jax.random.normal(jax.random.PRNGKey(5), (*k.shape[:3], 8))
+
+    def one_width(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+
+    def blockwise(q, k, v):
+        return self_attention(q, k, v, Placement(positions), "xla", TILE)
+
+    got = jax.jit(_with_gradients, static_argnums=0)(attention.widened(one_width), q, k, v)
+    assert got[0].shape == v.shape[:2] + (q.shape[2], 8)
+    for a, b in zip(got, jax.jit(_with_gradients, static_argnums=0)(blockwise, q, k, v)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_run_reports_the_fallback(tiny_config):

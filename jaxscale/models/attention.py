@@ -11,7 +11,9 @@ lengths per document) is not wired, and it could not be tested without a GPU. No
 soft-capped logits (Gemma 2's), which cuDNN cannot do; a sliding window (Gemma 2/3's local
 layers) every kernel takes. Under context parallelism (`sequence` > 1) every platform runs the
 ring or all-gather of `parallel.context`. Multi-head latent attention (models.latent), whose
-value heads are narrower than its query and key heads, runs the blockwise kernel everywhere.
+value heads are narrower than its query and key heads, runs cuDNN's kernel with its values
+widened by zeros to the keys' width (the output's extra columns are zeros, dropped), and the
+blockwise kernel where cuDNN cannot run; never splash.
 Decoding attends to a KV cache (`write_cache`, `cached_attention`).
 """
 
@@ -87,13 +89,15 @@ def cudnn_supported(platform: str, dtype, head_dim: int) -> str | None:
 SOFTCAP = "cuDNN attention cannot soft-cap attention logits (model.attn_logit_softcap)"
 
 
-LATENT = "multi-head latent attention (model.mla) runs on the blockwise kernel (its value heads differ in width)"
+LATENT = ("splash attention takes value heads as wide as the keys'; multi-head latent attention (model.mla) "
+          "runs the blockwise kernel on TPUs")
 
 
 def _unsupported(impl: str, platform: str, dtype, head_dim: int, document_mask: bool, length: int,
                  softcap: float, latent: bool = False) -> str | None:
-    """None if kernel `impl` (cudnn or splash) can run this, else the reason it cannot."""
-    if latent:
+    """None if kernel `impl` (cudnn or splash) can run this, else the reason it cannot; with
+    latent attention `head_dim` is the query's and key's width."""
+    if impl == "splash" and latent:
         return LATENT
     if impl == "splash":
         return f"splash attention needs a TPU (platform is {platform})" if platform != "tpu" else (
@@ -115,7 +119,8 @@ def resolve_impl(requested: str, platform: str, dtype, head_dim: int, document_m
                  latent: bool = False) -> tuple[str, str | None]:
     """(the kernel to use, a one-line note or None). `auto` takes the platform's kernel (splash
     on TPU, cuDNN elsewhere) where it can run; with `deterministic` or logits soft-capped
-    (softcap > 0) never cuDNN's; with latent attention (`latent`) neither."""
+    (softcap > 0) never cuDNN's; with latent attention (`latent`, `head_dim` the query's and
+    key's width) never splash."""
     if requested == "xla":
         return "xla", None
     kernel = requested if requested != "auto" else "splash" if platform == "tpu" else "cudnn"
@@ -156,8 +161,21 @@ def kept(kernel):
 def _cudnn(window: int):
     """cuDNN's fused attention, causal, to the `window` most recent keys when window > 0."""
     local = (window - 1, 0) if window else None
-    return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
-                                                        implementation="cudnn")
+    return widened(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local,
+                                                                implementation="cudnn"))
+
+
+def widened(kernel):
+    """kernel(q, k, v) for values narrower than the keys (latent attention's): v padded with
+    zero columns to k's width, the same columns of the output (zeros) dropped; kernels whose
+    values must be as wide as their keys compute the same attention this way."""
+    def run(q, k, v):
+        pad = k.shape[-1] - v.shape[-1]
+        if pad <= 0:
+            return kernel(q, k, v)
+        wide = jnp.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, pad)])
+        return kernel(q, k, wide)[..., :v.shape[-1]]
+    return run
 
 
 def self_attention(q_BLHE, k_BLKE, v_BLKE, places: Placement, impl: str, block: int = flash.BLOCK, layout=None,

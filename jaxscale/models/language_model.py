@@ -16,7 +16,7 @@ from flax import nnx
 from jaxscale.errors import ConfigError
 from jaxscale.models import decoding, fp8, pipelined, prediction
 from jaxscale.models.attention import Placement, document_positions, resolve_impl
-from jaxscale.models.families import head_size
+from jaxscale.models.latent import widths
 from jaxscale.models.layers import AXES_KEY
 from jaxscale.models.moe import EXPERT_LOAD, LOAD, MAX_LOAD, STATS
 from jaxscale.models.precision import compute_dtype
@@ -186,7 +186,7 @@ def model_from_config(config, platform: str, layout: Layout | None = None) -> tu
     chosen. Given the run's layout, the model's strategy runs the pipeline schedule, context
     parallel attention and expert dispatch its mesh needs (see Strategy.for_layout)."""
     m = config.model
-    impl, note = resolve_impl(m.attention.impl, platform, compute_dtype(m.dtype, platform), head_size(m),
+    impl, note = resolve_impl(m.attention.impl, platform, compute_dtype(m.dtype, platform), widths(m)[0],
                               config.data.document_mask, config.train.seq_len, config.train.deterministic,
                               m.attn_logit_softcap, m.mla.kv_lora_rank > 0)
     strategy = Strategy() if layout is None else Strategy.for_layout(
