@@ -175,6 +175,10 @@ def _add_parallelism(c: ml_collections.ConfigDict) -> None:
                                   # one layer's whole gradient held meanwhile (parallel/fsdp.py). Llama-3-8B
                                   # on v5p-256 at fsdp=128: 22% of the bytes sent exposed off, 15% head, 8.7%
                                   # all, for 0.23 and 0.91 GiB a chip (docs/planning.md#what-the-schedule-hides)
+        collective_matmul="auto",  # auto | on | off: with sequence parallelism, each dense layer's gathers and
+                                   # reduce-scatters over `tensor` as ring steps beside its projections' partial
+                                   # matmuls (parallel/collective_matmul.py). auto: on where the TPU compiler
+                                   # compiles the step (it hides them there: docs/planning.md), off elsewhere
         rules={name: ",".join(axes) for name, axes in DEFAULT_RULES.items()},  # logical axis -> mesh axes
     )
 

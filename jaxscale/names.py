@@ -58,6 +58,7 @@ REMAT_POLICIES = ("none", "full", "dots_saveable")
 LAYER_LOOPS = ("auto", "scan", "unroll")
 PROJECTIONS = ("auto", "einsum", "cpu")
 OVERLAPS = ("off", "head", "all")  # sharding.overlap (models.strategy.Strategy.overlap)
+COLLECTIVE_MATMULS = ("auto", "on", "off")  # sharding.collective_matmul (parallel.collective_matmul)
 UNROLL_UP_TO = 8  # layer_loop=auto unrolls this many layers or fewer on CPU
 DTYPES = ("auto", "float32", "bfloat16")
 GRAD_REDUCE_DTYPES = ("", "float32", "bfloat16")  # "": the compute dtype

@@ -118,7 +118,7 @@ def make_layout(devices: int | None = None, zero_stage: int = 0, **sizes):
 def build_for(spec, *, optim=None, accum: int = 1, rows: int = 32, seq_len: int = 32, dtype: str = "float32",
               zero_stage: int = 0, sequence_parallel: bool = False, devices: int | None = None,
               schedule: str = "gpipe", microbatches: int = 1, virtual_stages: int = 1, context: str = "ring",
-              schedule_file: str = "", overlap: str = "off", **sizes):
+              schedule_file: str = "", overlap: str = "off", collective_matmul: str = "auto", **sizes):
     """`build()` of the config that describes the ModelSpec `spec` (its strategy and weights set
     by the layout and `dtype`), on the mesh `sizes` over the first `devices` devices (default: the
     product of sizes). The run's model is checked to be `spec`: every field maps to a config key."""
@@ -143,7 +143,7 @@ def build_for(spec, *, optim=None, accum: int = 1, rows: int = 32, seq_len: int 
     assert not sizes, f"not mesh axes: {sorted(sizes)}"
     config.mesh.update(axes)
     config.update(zero_stage=zero_stage)
-    config.sharding.update(sequence_parallel=sequence_parallel, overlap=overlap)
+    config.sharding.update(sequence_parallel=sequence_parallel, overlap=overlap, collective_matmul=collective_matmul)
     config.train.update(steps=10, global_batch_size=rows, seq_len=seq_len, grad_accum_steps=accum)
     config.optim = optim if optim is not None else config.optim
     config.pipeline.update(schedule=schedule, microbatches=microbatches, virtual_stages=virtual_stages,

@@ -115,6 +115,7 @@ def test_a_path_on_the_command_line_means_the_file_source():
     (["model.rope_scaling.type=llama3", "model.rope_scaling.high_freq_factor=1"], "model.rope_scaling.high_freq_factor",
      "must exceed"),
     (["model.attention.context_parallel=tree"], "model.attention.context_parallel", "ring, all_gather, ulysses"),
+    (["sharding.collective_matmul=yes"], "sharding.collective_matmul", "auto, on, off"),
     (["mesh.data=1", "mesh.tensor=8"], "model.num_heads", "split 8 ways"),
     (["mesh.data=1", "mesh.fsdp=8", "model.d_model=100", "model.num_heads=2", "model.num_kv_heads=2"],
      "model.d_model", "multiple of 8"),

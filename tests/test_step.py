@@ -107,6 +107,26 @@ def test_full_remat_reducing_each_layer_behind_equals_one_device(reference, opti
     assert bool(calls) == deferred
 
 
+@pytest.mark.parametrize("name, sizes", [("fsdp2_tensor4", dict(fsdp=2)), ("data2_tensor4_gelu_bias", dict(data=2))])
+def test_collective_matmuls_equal_one_device(reference, optim_cfg, name, sizes, monkeypatch):
+    """sharding.collective_matmul: each dense layer's q/k/v and MLP input projections gather their
+    input in ring steps (parallel.collective_matmul.gathered) and the output projections scatter
+    theirs (scattered), two of each a layer; the steps equal one device's. With GPT-2's GELU MLP
+    and biases too (a bias added once, after the sum)."""
+    from jaxscale.parallel import collective_matmul
+    calls = []
+    for ring in ("gathered", "scattered"):
+        real = getattr(collective_matmul, ring)
+        monkeypatch.setattr(collective_matmul, ring, lambda *a, _n=ring, _f=real, **k: calls.append(_n) or _f(*a, **k))
+    spec = SPEC if name == "fsdp2_tensor4" else dataclasses.replace(SPEC, family="gpt2")
+    one = reference if spec == SPEC else _run(_layout(1), 1, optim_cfg, steps=3, spec=spec)
+    calls.clear()
+    split = _run(_layout(tensor=4, sequence_parallel=True, collective_matmul="on", **sizes), 1, optim_cfg, steps=3,
+                 spec=spec)
+    assert sorted(set(calls)) == ["gathered", "scattered"] and calls.count("gathered") == calls.count("scattered")
+    _assert_same(split, one, rtol=1e-5)
+
+
 # A vocabulary of 257 splits over no axis: tensor keeps it whole (rules_from_config says so), fsdp
 # splits the table along d_model as always; tied and untied heads, each under a tensor layout
 # and one that splits d_model.

@@ -92,6 +92,10 @@ def pod_plans():
 # before reducing them (no T). With sequence parallelism it gathers in bfloat16 the activations its
 # default-precision matmuls read (9 of the 10): 0.55 of the formula's float32 all-gather bytes.
 # One of those gathers runs as a continuation chain (start, three steps, done), counted once.
+# With collective matmuls (sharding.collective_matmul, on for the TPU compiler by default) each
+# layer's four gathers and four reduce-scatters over tensor are rings of 3 permutes of a quarter of A
+# each, half of them (the forward's gathers and their transposes) in bfloat16 as above; the lookup's
+# and the head's stay as they were.
 # Not yet in the spec, measured here: fsdp=8 gathers 2.46 W of parameters per step (2 W expected:
 # forward and backward) and ZeRO-3 over data=8 gathers 4.30 W.
 L4 = 4 * 2 + 2
@@ -104,6 +108,10 @@ TPU_COLLECTIVES_SPEC = {
     "tensor4_sp": {("all-gather", "tensor"): lambda s: 0.55 * 3 / 4 * L4 * s.a,
                    ("reduce-scatter", "tensor"): lambda s: 3 / 4 * L4 * s.a,
                    ("all-reduce", "data"): lambda s: 2 * 1 / 2 * s.w / 4},
+    "tensor4_collective": {("collective-permute", "tensor"): lambda s: 3 / 4 * (4 + 4 / 2) * s.layers * s.a,
+                           ("all-gather", "tensor"): lambda s: 3 / 4 * 1.5 * s.a,
+                           ("reduce-scatter", "tensor"): lambda s: 3 / 4 * 2 * s.a,
+                           ("all-reduce", "data"): lambda s: 2 * 1 / 2 * s.w / 4},
     "pipeline2_gpipe": {("collective-permute", "pipeline"): lambda s: 2 * (2 * 4 + 2) * s.a / 4,
                         ("all-reduce", "data+pipeline"): lambda s: 2 * 7 / 8 * (s.w - s.layers * s.layer),
                         ("all-reduce", "data"): lambda s: 2 * 3 / 4 * s.layers * s.layer / 2},
@@ -112,7 +120,8 @@ TENSOR4 = ["mesh.data=2", "mesh.tensor=4", "model.num_kv_heads=4"]
 TPU_LAYOUTS = {"data8": ["mesh.data=8"],
                "zero2_accum4": ["mesh.data=8", "zero_stage=2", "train.global_batch_size=32",
                                 "train.grad_accum_steps=4"],
-               "tensor4": [*TENSOR4, "sharding.sequence_parallel=False"], "tensor4_sp": TENSOR4,
+               "tensor4": [*TENSOR4, "sharding.sequence_parallel=False"],
+               "tensor4_sp": [*TENSOR4, "sharding.collective_matmul=off"], "tensor4_collective": TENSOR4,
                "pipeline2_gpipe": ["mesh.data=4", "mesh.pipeline=2", "model.num_layers=4", "pipeline.schedule=gpipe",
                                    "pipeline.microbatches=4", "train.global_batch_size=16"]}
 

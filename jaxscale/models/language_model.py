@@ -24,7 +24,7 @@ from jaxscale.models.spec import ModelSpec
 from jaxscale.models.strategy import Strategy
 from jaxscale.models.transformer import Transformer, unflatten
 from jaxscale.names import UNROLL_UP_TO
-from jaxscale.parallel import context, fsdp
+from jaxscale.parallel import collective_matmul, context, fsdp
 from jaxscale.sharding import Layout
 
 
@@ -181,6 +181,11 @@ class LanguageModel:
         return decoding.decode(self.graphdef, params, tokens_BL, positions_BL, cache)
 
 
+def _compiler(platform: str, layout: Layout | None) -> str:
+    """The platform the step is compiled for: the layout's devices' (CPU devices stand in for GPUs)."""
+    return platform if layout is None else layout.mesh.devices.flat[0].platform
+
+
 def model_from_config(config, platform: str, layout: Layout | None = None) -> tuple[LanguageModel, list[str]]:
     """The model for a run on `platform`, with the attention kernel resolved; notes say what was
     chosen. Given the run's layout, the model's strategy runs the pipeline schedule, context
@@ -193,10 +198,11 @@ def model_from_config(config, platform: str, layout: Layout | None = None) -> tu
         layout, schedule=config.pipeline.schedule, microbatches=config.pipeline.microbatches,
         virtual_stages=config.pipeline.virtual_stages, context=m.attention.context_parallel,
         schedule_file=config.pipeline.schedule_file,
-        overlap=config.sharding.overlap)
+        overlap=config.sharding.overlap,
+        collective_matmul=collective_matmul.wanted(config.sharding.collective_matmul, _compiler(platform, layout)))
     one_cpu = _one_cpu_device(platform, layout)
     cpu_matmul = m.projections == "cpu" or (m.projections == "auto" and one_cpu)
-    compiler = platform if layout is None else layout.mesh.devices.flat[0].platform  # CPU devices stand in for GPUs
+    compiler = _compiler(platform, layout)
     reason = m.fp8 and fp8.unsupported(platform, None if layout is None else list(layout.mesh.devices.flat))
     if reason:
         raise ConfigError("model.fp8", m.fp8, f"{reason}; set it to False")

@@ -25,7 +25,7 @@ from jaxscale.models.attention import (
 )
 from jaxscale.models.matmul import project
 from jaxscale.names import AXES_KEY
-from jaxscale.parallel import context
+from jaxscale.parallel import collective_matmul, context
 from jaxscale.sharding import constrain
 
 # Logical names of activations (see jaxscale.sharding): the residual stream, and the inside of
@@ -115,6 +115,24 @@ class LayerKind:
     rope_scaling: rope.RopeScaling = rope.RopeScaling()
 
 
+def collective(cfg) -> bool:
+    """Whether model spec `cfg`'s dense layers run their projections as collective matmuls
+    (parallel.collective_matmul) where a layer's layout lets them: not with adapters, fp8
+    projections or latent attention, which take the plain gathers."""
+    return cfg.strategy.collective_matmul and not (cfg.lora.on or cfg.fp8 or cfg.mla.on)
+
+
+def split_here(cfg, cache=None) -> bool:
+    """Whether a layer traced here (`cache`: decoding's, None in training) takes its input split
+    along length over `tensor` and runs collective matmuls."""
+    return collective(cfg) and cache is None and collective_matmul.applies(cfg.strategy.layout)
+
+
+HEADS = {"q": ("embed", "heads", "head_dim"), "k": ("embed", "kv_heads", "head_dim"),
+         "v": ("embed", "kv_heads", "head_dim")}  # the input projections' logical axes
+PROJECTED = {"q": "act_heads", "k": "act_kv_heads", "v": "act_kv_heads"}  # their outputs' heads axis
+
+
 class Attention(nnx.Module):
     """Causal grouped-query attention: rotary positions when cfg.arch.position is rope, biases
     on the q, k, v projections (attention_bias qkv) and the output too (all); scores scaled by
@@ -145,21 +163,35 @@ class Attention(nnx.Module):
         for name in lora.ATTENTION_TARGETS:
             lora.attach(self, cfg.lora, name, 2 if name == "o" else 1, rngs)
 
-    def _project(self, x_BLD, name, heads_axis, seeds=None):
-        y = lora.adapt(self, name, x_BLD, self.matmul(x_BLD, getattr(self, lora.weight_name(name))[...], 1), 1, seeds)
+    def _project(self, x_BLD, name, seeds=None, y=None):
+        """Projection `name` (q, k or v) of x_BLD, or its product `y` already computed, with its
+        adapters and bias, placed as attention's heads."""
+        if y is None:
+            w = getattr(self, lora.weight_name(name))[...]
+            y = lora.adapt(self, name, x_BLD, self.matmul(x_BLD, w, 1), 1, seeds)
         y = y + getattr(self, f"bias_{name}")[...] if hasattr(self, f"bias_{name}") else y
-        return constrain(y, self.strategy.layout, ("batch", "act_length", heads_axis, "head_dim"))
+        return constrain(y, self.strategy.layout, ("batch", "act_length", PROJECTED[name], "head_dim"))
 
-    def __call__(self, x_BLD, places: Placement, cache=None, kind: LayerKind | None = None):
+    def _projections(self, x_BLD, seeds, split: bool):
+        """(q, k, v); with `split` from x_BLD split along length over `tensor`, by one collective matmul."""
+        if not split:
+            return [self._project(x_BLD, name, seeds) for name in HEADS]
+        products = collective_matmul.gathered(
+            x_BLD, [(getattr(self, f"w{name}")[...], axes) for name, axes in HEADS.items()],
+            lambda x, w: self.matmul(x, w, 1), self.strategy.layout,
+            [("batch", "act_length", PROJECTED[name], "head_dim") for name in HEADS])
+        return [self._project(x_BLD, name, y=y) for name, y in zip(HEADS, products)]
+
+    def __call__(self, x_BLD, places: Placement, cache=None, kind: LayerKind | None = None, split: bool = False):
         """(out_BLD, cache). Without a cache (training), causal attention over this sequence
         (within each document when places.segments is set) and cache None. With one ({'k', 'v'}:
         [B, S, K, E], decoding), the new keys and values are written at their positions and the
         queries attend to the updated cache, which is returned. `kind`: the layer's (None: the
-        first of the model's layer pattern, its only one when the pattern is uniform)."""
+        first of the model's layer pattern, its only one when the pattern is uniform). `split`:
+        x_BLD and out_BLD split along length over `tensor`, projected by collective matmuls
+        (`split_here`)."""
         kind = self.default_kind if kind is None else kind
-        q_BLHE = self._project(x_BLD, "q", "act_heads", places.seeds)
-        k_BLKE = self._project(x_BLD, "k", "act_kv_heads", places.seeds)
-        v_BLKE = self._project(x_BLD, "v", "act_kv_heads", places.seeds)
+        q_BLHE, k_BLKE, v_BLKE = self._projections(x_BLD, places.seeds, split)
         if hasattr(self, "q_norm"):
             q_BLHE, k_BLKE = self.q_norm(q_BLHE), self.k_norm(k_BLKE)
         positions_BL = places.positions
@@ -177,7 +209,7 @@ class Attention(nnx.Module):
             out_BLHE = cached_attention(q_BLHE, cache["k"], cache["v"], positions_BL, **masks)
         else:
             out_BLHE = causal(q_BLHE, k_BLKE, v_BLKE, places, self, **masks)
-        out_BLD = output(self, out_BLHE, places.seeds)
+        out_BLD = output(self, out_BLHE, places.seeds, split)
         return (out_BLD + self.bias_o[...] if hasattr(self, "bias_o") else out_BLD), cache
 
 
@@ -193,10 +225,15 @@ def causal(q_BLHE, k_BLKE, v_BLKE, places: Placement, layer, window: int = 0, so
     return self_attention(q_BLHE, k_BLKE, v_BLKE, places, layer.impl, layer.block, s.layout, window, softcap)
 
 
-def output(layer, out_BLHE, seeds=None):
+def output(layer, out_BLHE, seeds=None, split: bool = False):
     """The heads' output [B, L, H, E] projected back to d_model by the layer's wo [H, E, D]
-    (seeds: the tokens' LoRA dropout seeds, or None)."""
-    out_BLHE = constrain(out_BLHE, layer.strategy.layout, ("batch", "act_length", "act_heads", "head_dim"))
+    (seeds: the tokens' LoRA dropout seeds, or None); with `split`, by a collective matmul whose
+    output is split along length over `tensor`."""
+    heads = ("batch", "act_length", "act_heads", "head_dim")
+    out_BLHE = constrain(out_BLHE, layer.strategy.layout, heads)
+    if split:
+        return collective_matmul.scattered(out_BLHE, layer.wo[...], lambda h, w: layer.matmul(h, w, 2),
+                                           layer.strategy.layout, heads, ("heads", "head_dim", "embed"))
     return lora.adapt(layer, "o", out_BLHE, layer.matmul(out_BLHE, layer.wo[...], 2), 2, seeds)
 
 
@@ -272,8 +309,9 @@ class MLP(nnx.Module):
         for name in (*self.kind.inputs, self.kind.output):
             lora.attach(self, cfg.lora, name, 1, rngs)
 
-    def __call__(self, x_BLD, seeds=None):
-        """The MLP of x_BLD (seeds: the tokens' LoRA dropout seeds, or None)."""
+    def __call__(self, x_BLD, seeds=None, split: bool = False):
+        """The MLP of x_BLD (seeds: the tokens' LoRA dropout seeds, or None; `split`: x_BLD and
+        the output split along length over `tensor`, projected by collective matmuls)."""
         w = {name: getattr(self, name)[...] for name in self.kind.names(self.biased)}
 
         def dot(x, w, output):
@@ -282,5 +320,21 @@ class MLP(nnx.Module):
         def hidden(h_BLF):
             return constrain(h_BLF, self.layout, ("batch", "act_length", "act_mlp"))
 
+        if split:
+            return self._collective(x_BLD, w, dot, hidden)
         adapt = functools.partial(lora.adapt, self, seeds=seeds)
         return self.kind.run(x_BLD, w, dot, lambda y, b: y + b, hidden, adapt)
+
+    def _collective(self, x_BLD, w: dict, dot, hidden):
+        """The MLP with its input projections gathered and its output scattered by collective
+        matmuls (no adapters: see `collective`)."""
+        def biased(y, name):
+            return y + w[f"bias_{name}"] if f"bias_{name}" in w else y
+
+        inner = ("batch", "act_length", "act_mlp")
+        ins = collective_matmul.gathered(x_BLD, [(w[f"w_{n}"], ("embed", "mlp")) for n in self.kind.inputs],
+                                         lambda x, v: dot(x, v, False), self.layout, [inner] * len(self.kind.inputs))
+        h = hidden(self.kind.activation(*(biased(y, n) for y, n in zip(ins, self.kind.inputs))))
+        out = self.kind.output
+        return biased(collective_matmul.scattered(h, w[f"w_{out}"], lambda h, v: dot(h, v, True), self.layout,
+                                                  inner, ("mlp", "embed")), out)

@@ -20,6 +20,16 @@ CONTEXT_ALGORITHMS = ("none", *CONTEXT_PARALLEL)
 EXPERT_DISPATCH = ("local", "all_to_all")
 
 
+def _collective_matmuls_apply(layout: Layout) -> bool:
+    """Whether layers on `layout` can run collective matmuls (parallel.collective_matmul): where
+    sequence parallelism splits the residual stream's length over `tensor`; not beside context
+    parallelism, whose attention takes the whole of its length, nor in pipeline stages (on
+    XLA:CPU a stage's permutes over `tensor` waited for devices of other stages, which never
+    send them, and the step hung)."""
+    shape = layout.mesh.shape
+    return shape["pipeline"] == 1 and shape["sequence"] == 1 and "tensor" in layout.axes("length")
+
+
 @dataclasses.dataclass(frozen=True)
 class Strategy:
     """How the forward pass is split across devices beyond what sharding rules express."""
@@ -33,6 +43,8 @@ class Strategy:
     experts: str = "local"         # local | all_to_all: MoE tokens exchanged over mesh axis `expert`
     overlap: str = "off"           # off | head | all (names.OVERLAPS): collectives a step away from the
                                    # compute that needs them (models.vocab, parallel.fsdp.scan_deferred)
+    collective_matmul: bool = False  # dense layers' projections as collective matmuls over `tensor`
+                                     # (parallel.collective_matmul), where sequence parallelism splits length
 
     def __post_init__(self):
         for name, value, choices, axis in (("pipeline", self.pipeline, PIPELINES, "pipeline"),
@@ -48,7 +60,7 @@ class Strategy:
     @classmethod
     def for_layout(cls, layout: Layout, *, schedule: str = "gpipe", microbatches: int = 1,
                    virtual_stages: int = 1, context: str = "ring", schedule_file: str = "",
-                   overlap: str = "off") -> Strategy:
+                   overlap: str = "off", collective_matmul: bool = False) -> Strategy:
         """The strategy a run on `layout` uses: each algorithm on where its mesh axis is split."""
         shape = layout.mesh.shape
         return cls(layout, pipeline=schedule if shape["pipeline"] > 1 else "none",
@@ -56,7 +68,8 @@ class Strategy:
                    virtual_stages=virtual_stages if shape["pipeline"] > 1 else 1,
                    schedule_file=schedule_file if shape["pipeline"] > 1 else "",
                    context=context if shape["sequence"] > 1 else "none",
-                   experts="all_to_all" if shape["expert"] > 1 else "local", overlap=overlap)
+                   experts="all_to_all" if shape["expert"] > 1 else "local", overlap=overlap,
+                   collective_matmul=collective_matmul and _collective_matmuls_apply(layout))
 
     @property
     def mesh(self):
@@ -79,4 +92,6 @@ class Strategy:
             parts.append(f"context {self.context}")
         if self.experts != "local":
             parts.append(f"experts {self.experts}")
+        if self.collective_matmul:
+            parts.append("collective matmuls over tensor")
         return ", ".join(parts) or "none"

@@ -20,7 +20,7 @@ from jaxscale.kernels.flash import soft_cap
 from jaxscale.models import decoding, lora, periods, pipelined, prediction
 from jaxscale.models.attention import KEPT, Placement, layer_indices
 from jaxscale.models.latent import LatentAttention
-from jaxscale.models.layers import AXES_KEY, INNER, MLP, RESIDUAL, Attention, norm, normal
+from jaxscale.models.layers import AXES_KEY, INNER, MLP, RESIDUAL, Attention, norm, normal, split_here
 from jaxscale.models.moe import EXPERT_LOAD, LOAD, MAX_LOAD, STATS, MoE
 from jaxscale.models.spec import ModelSpec
 from jaxscale.models.vocab import Table, cross_entropy, embed
@@ -48,7 +48,7 @@ class Block(nnx.Module):
         if spec.arch.sandwich_norm:
             self.attn_post_norm, self.mlp_post_norm = norm(spec), norm(spec)
         self.attn = LatentAttention(spec, rngs) if spec.mla.on else Attention(spec, rngs)
-        self.layout = spec.strategy.layout
+        self.layout, self.spec = spec.strategy.layout, spec
         self.mlp = MoE(spec, rngs) if moe else MLP(spec, rngs)
 
     def _join(self, x_BLD, branch_BLD, post: str):
@@ -58,15 +58,22 @@ class Block(nnx.Module):
 
     def _attend(self, x_BLD, places, cache, kind):
         # Norms run on the residual layout (split along length in sequence-parallel mode); their
-        # outputs are gathered to the tensor-parallel layout that attention and the MLP need.
-        attn_BLD, cache = self.attn(constrain(self.attn_norm(x_BLD), self.layout, INNER), places, cache, kind)
+        # outputs are gathered to the tensor-parallel layout that attention and the MLP need, or
+        # with collective matmuls (layers.split_here) gathered chunk by chunk by the projections.
+        if split_here(self.spec, cache):
+            attn_BLD, cache = self.attn(self.attn_norm(x_BLD), places, cache, kind, split=True)
+        else:
+            attn_BLD, cache = self.attn(constrain(self.attn_norm(x_BLD), self.layout, INNER), places, cache, kind)
         return self._join(x_BLD, attn_BLD, "attn_post_norm"), cache
 
     def __call__(self, x_BLD, places, cache=None, kind=None):
         """(x_BLD, this layer's updated KV cache, or None without one: see Attention; `kind`
         its LayerKind)."""
         x_BLD, cache = self._attend(x_BLD, places, cache, kind)
-        mlp_BLD = self.mlp(constrain(self.mlp_norm(x_BLD), self.layout, INNER), places.seeds)
+        if split_here(self.spec, cache):
+            mlp_BLD = self.mlp(self.mlp_norm(x_BLD), places.seeds, split=True)
+        else:
+            mlp_BLD = self.mlp(constrain(self.mlp_norm(x_BLD), self.layout, INNER), places.seeds)
         return self._join(x_BLD, mlp_BLD, "mlp_post_norm"), cache
 
 
