@@ -178,7 +178,8 @@ def _add_parallelism(c: ml_collections.ConfigDict) -> None:
         collective_matmul="auto",  # auto | on | off: with sequence parallelism, each dense layer's gathers and
                                    # reduce-scatters over `tensor` as ring steps beside its projections' partial
                                    # matmuls (parallel/collective_matmul.py). auto: on where the TPU compiler
-                                   # compiles the step (it hides them there: docs/planning.md), off elsewhere
+                                   # compiles the step (it hides them there), off elsewhere (the GPU compiler's
+                                   # schedule exposed more with them: docs/planning.md)
         rules={name: ",".join(axes) for name, axes in DEFAULT_RULES.items()},  # logical axis -> mesh axes
     )
 
