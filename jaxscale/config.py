@@ -171,10 +171,10 @@ def _add_parallelism(c: ml_collections.ConfigDict) -> None:
                                   # them, so the compiler can run them beside other matmuls. head: the loss's
                                   # chunks of the head gathered a chunk ahead, their gradients reduce-scattered a
                                   # chunk behind (models/vocab.py). all: also, under model.remat=full, each scanned
-                                  # layer's gradients reduce-scattered during the previous layer's backward,
-                                  # one layer's whole gradient held meanwhile (parallel/fsdp.py). Llama-3-8B
-                                  # on v5p-256 at fsdp=128: 22% of the bytes sent exposed off, 15% head, 8.7%
-                                  # all, for 0.23 and 0.91 GiB a chip (docs/planning.md#what-the-schedule-hides)
+                                  # layer's MLP gradients reduce-scattered during the previous layer's backward,
+                                  # one layer's MLP gradient held meanwhile (parallel/fsdp.py). Llama-3-8B
+                                  # on v5p-256 at fsdp=128: 22% of the bytes sent exposed off, 15% head, 8.1%
+                                  # all, for 0.23 and 0.31 GiB a chip (docs/planning.md#what-the-schedule-hides)
         collective_matmul="auto",  # auto | on | off: with sequence parallelism, each dense layer's gathers and
                                    # reduce-scatters over `tensor` as ring steps beside its projections' partial
                                    # matmuls (parallel/collective_matmul.py). auto: on where the TPU compiler

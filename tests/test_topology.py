@@ -326,19 +326,20 @@ def test_by_default_a_pods_weight_gathers_and_gradient_reduce_scatters_run_besid
 
 
 def test_overlap_all_reduces_each_layer_beside_the_previous_layers_backward():
-    """sharding.overlap=all: each layer's gradients reduce-scattered during the previous layer's
-    backward pass, the head's chunks gathered a chunk ahead and reduced a chunk behind. The same
-    bytes by the ring arithmetic (and one chunk of the head gathered again), and more of them
-    beside matmuls: read from the schedule, 0.74 of the gathered bytes and 0.72 of the
-    reduce-scattered ones (0.71 and 0.65 with overlap=head, the head's chunks alone; 0.45 and 0.42
-    by default, above; libtpu 0.0.42.1)."""
+    """sharding.overlap=all: each layer's MLP gradients reduce-scattered during the previous
+    layer's backward pass (its attention's in its own), the head's chunks gathered a chunk ahead
+    and reduced a chunk behind. The same bytes by the ring arithmetic (and one chunk of the head
+    gathered again), and more of them beside matmuls: read from the schedule, 0.71 of the
+    gathered bytes and 0.75 of the reduce-scattered ones (0.71 and 0.65 with overlap=head, the
+    head's chunks alone; 0.45 and 0.42 by default, above; with each layer's whole gradient
+    deferred, 0.74 and 0.72, in 123 MiB a chip against 103; libtpu 0.0.42.1)."""
     devices, _ = topology.compile_only_devices("v5p-64")
     config = cli.load_config(str(ROOT / "configs" / "llama3_8b.py"), [*POD, "sharding.overlap=all"])
     run, compiled, seconds = plan_lib.compile_plan(config, "tpu", devices)
     plan = plan_lib.describe(config, run, compiled, seconds).to_json()
     (gathered, gathered_beside), (scattered, scattered_beside) = (_sent(plan, k) for k in ("all-gather",
                                                                                           "reduce-scatter"))
-    assert gathered_beside > 0.73 * gathered and scattered_beside > 0.69 * scattered
+    assert gathered_beside > 0.69 * gathered and scattered_beside > 0.72 * scattered
     n, groups = 32, param_groups(config)
     layers = 2 * groups["layers"]  # bf16, reduce-scattered once
     assert plan["collectives_by_axis"]["reduce-scatter"]["fsdp"]["sent_bytes"] >= (n - 1) / n * layers

@@ -160,8 +160,9 @@ def estimate(config, layout: Candidate, counts: dict[str, int], flops_per_token:
 
 
 def _held_gradient(config, layout: Candidate, counts: dict[str, int]) -> float:
-    """The bytes of one layer's whole gradient that sharding.overlap=all holds while it is
-    reduce-scattered beside the next layer's backward pass (Transformer._deferred), or 0."""
+    """The bytes of the part of one layer's gradient that sharding.overlap=all holds whole while
+    it is reduce-scattered beside the next layer's backward pass (Transformer._deferred,
+    models.transformer.DEFERRED), or 0."""
     m, s = config.model, layout.sizes
     splitting = {"fsdp"} | ({"data"} if layout.zero_stage == 3 else set())
     batch = [a for a in ("data", "fsdp", "expert") if s[a] > 1]
@@ -169,7 +170,7 @@ def _held_gradient(config, layout: Candidate, counts: dict[str, int]) -> float:
             or s["sequence"] > 1 or s["pipeline"] > 1 or not batch or not set(batch) <= splitting):
         return 0.0
     width = 4 if "float32" in (m.dtype, config.optim.grad_reduce_dtype) else 2
-    return width * counts["layers"] / m.num_layers / s["tensor"]
+    return width * counts["deferred"] / m.num_layers / s["tensor"]
 
 
 def _context_row(m, mode: str, n: int, layers: float, chunks: int, heads_act: float, recompute: bool

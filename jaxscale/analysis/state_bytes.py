@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import jax
 
 from jaxscale.models.moe import expert_param_count
+from jaxscale.models.transformer import DEFERRED
 
 
 def param_counts(model) -> dict[str, int]:
@@ -18,13 +19,17 @@ def param_counts(model) -> dict[str, int]:
     pipeline, fsdp, expert, tensor; of them `experts`, the experts' weights, whose own dimension
     takes expert), `layer_vectors` (the layers' vectors along d_model, norm scales and biases:
     pipeline only), `other` (embedding and head: fsdp, expert, tensor) and `vectors` (the final
-    norm: never)."""
-    counts = dict.fromkeys(("layers", "layer_vectors", "other", "vectors"), 0)
+    norm: never); and of `layers`, `deferred`: the weights whose gradients sharding.overlap=all
+    reduces beside the next layer's backward pass (models.transformer.DEFERRED)."""
+    counts = dict.fromkeys(("layers", "layer_vectors", "other", "vectors", "deferred"), 0)
     axes = jax.tree.leaves(model.axes, is_leaf=lambda x: isinstance(x, tuple))
-    for names, shape in zip(axes, jax.tree.leaves(model.shapes), strict=True):
+    paths, shapes = zip(*jax.tree_util.tree_flatten_with_path(model.shapes)[0], strict=True)
+    for names, path, shape in zip(axes, paths, shapes, strict=True):
         stacked, vector = names[0] == "layers", set(names) <= {"layers", "norm"}
         kind = ("layer_vectors" if vector else "layers") if stacked else ("vectors" if vector else "other")
         counts[kind] += math.prod(shape.shape)
+        if kind == "layers" and len(path) > 1 and getattr(path[1], "key", None) in DEFERRED:
+            counts["deferred"] += math.prod(shape.shape)
     counts["experts"] = expert_param_count(model.shapes)
     return counts
 

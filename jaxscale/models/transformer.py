@@ -39,6 +39,14 @@ def remat_policy(spec: ModelSpec):
 
 
 
+# Under sharding.overlap=all, the part of each layer's gradient reduce-scattered beside the next
+# layer's backward pass (parallel.fsdp.scan_deferred); the attention's and the norms' are reduced in
+# their own layer's. Llama-3-8B on v5p-256 at fsdp=128: the MLP's alone deferred, 3.39 GiB a chip
+# and 8.1% of the bytes sent exposed; the whole layer's, 3.99 GiB and 8.8%; the attention's and the
+# norms', 3.50 GiB and 8.0% (measured, docs/planning.md).
+DEFERRED = ("mlp",)
+
+
 class Block(nnx.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)); with sandwich norms
     (arch.sandwich_norm) each branch's output is normed too before it joins the residual."""
@@ -252,7 +260,7 @@ class Transformer(nnx.Module):
                     return nnx.merge(graphdef, layer_params)(x, places, None, kinds[0])[0], {}
                 s = self.spec
                 return fsdp.scan_deferred(body, s.strategy.layout, s.weights, params, dims, x_BLD, places,
-                                          layer_indices(places, count)), None
+                                          layer_indices(places, count), deferred=DEFERRED), None
             if p == 1:
                 name = decoding.stack_of(kinds[0])
                 xs = (params, None if cache is None else cache[name], layer_indices(places, count))

@@ -199,14 +199,16 @@ def reduced_in_loop(layout: sharding.Layout | None, dims) -> bool:
     return all(a in gathered for a in axes if layout.mesh.shape[a] > 1)
 
 
-def scan_deferred(fn, layout: sharding.Layout, weights: Weights, params, dims, x_BLD, places, indices):
+def scan_deferred(fn, layout: sharding.Layout, weights: Weights, params, dims, x_BLD, places, indices,
+                  deferred: tuple[str, ...] | None = None):
     """The layers of stacked `params` ([layers, ...] each, stored as `dims` says of one layer) in
     a scan, fn(whole params, x, places) -> (y, {}) each, fully rematerialised, with each layer's
-    gradient reduce-scattered during the backward pass of the layer before it: the reduction
-    depends on nothing that layer computes, so the compiler can run it beside that layer's
-    matmuls, where a layer's own reduce-scatters wait for its last gradient. The gradient of
-    one layer is kept whole in the meantime. For layers whose gradients are reduced within
-    (reduced_in_loop); the small weights kept whole are summed at the map's edge, once for all."""
+    gradient of the parameters under the keys `deferred` (None: all) reduce-scattered during the
+    backward pass of the layer before it: the reduction depends on nothing that layer computes,
+    so the compiler can run it beside that layer's matmuls, where a layer's own reduce-scatters
+    wait for its last gradient. That part of one layer's gradient is kept whole in the meantime;
+    the rest is reduced in its own layer's backward pass. For layers whose gradients are reduced
+    within (reduced_in_loop); the small weights kept whole are summed at the map's edge, once for all."""
     axes, _ = map_axes(layout)
     inward = jax.tree.map(lambda p: p.astype(weights.reduce), params)
     specs = jax.tree.map(lambda _, d: P(None, *to_spec(keep(d.split, axes))), params, dims)
@@ -215,8 +217,13 @@ def scan_deferred(fn, layout: sharding.Layout, weights: Weights, params, dims, x
     def whole(p):
         return jax.tree.map(lambda p, d: _whole(p, d, axes, weights.compute, layout), p, dims)
 
-    def reduced(g):
-        return jax.tree.map(lambda g, d: _reduced(g, d, axes, weights.reduce, layout), g, dims)
+    def reduced(g):  # g: some of the keys of a layer's gradient
+        return jax.tree.map(lambda g, d: _reduced(g, d, axes, weights.reduce, layout), g, {k: dims[k] for k in g})
+
+    later = tuple(params) if deferred is None else deferred  # the keys whose reduction waits a layer
+
+    def split(dw):  # (the part of a layer's gradient reduced now, the part reduced beside the next layer)
+        return {k: v for k, v in dw.items() if k not in later}, {k: v for k, v in dw.items() if k in later}
 
     def layer(w, x, places, i):
         return fn(w, x, places.at_layer(i))[0]
@@ -245,16 +252,19 @@ def scan_deferred(fn, layout: sharding.Layout, weights: Weights, params, dims, x
             dw, dx = jax.vjp(lambda w, x: layer(w, x, places, index), whole(w), x)[1](dy)
             return dx, dw
 
-        def put(grads, i, g):
-            return jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, i, 0), grads, reduced(g))
+        def put(grads, i, g):  # g's keys of `grads` with their slot i set to g reduced
+            return {**grads, **jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, i, 0),
+                                            {k: grads[k] for k in g}, reduced(g))}
 
-        def one(carry, i):  # layer i's backward, and layer i + 1's gradient reduce-scattered beside it
+        def one(carry, i):  # layer i's backward, and layer i + 1's deferred gradient reduce-scattered beside it
             dy, pending, grads = carry
             dx, dw = pull(i, dy)
-            return (dx, dw, put(grads, i + 1, pending)), None
+            now, later_dw = split(dw)
+            return (dx, later_dw, put(put(grads, i + 1, pending), i, now)), None
 
-        dx, pending = pull(count - 1, dy)
-        grads = jax.tree.map(jnp.zeros_like, p)
+        dx, dw = pull(count - 1, dy)
+        now, pending = split(dw)
+        grads = put(jax.tree.map(jnp.zeros_like, p), count - 1, now)
         (dx, pending, grads), _ = jax.lax.scan(one, (dx, pending, grads), jnp.arange(count - 2, -1, -1))
         return put(grads, 0, pending), dx, None, None
 
