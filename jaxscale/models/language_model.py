@@ -181,16 +181,12 @@ class LanguageModel:
         return decoding.decode(self.graphdef, params, tokens_BL, positions_BL, cache)
 
 
-def _compiler(platform: str, layout: Layout | None) -> str:
-    """The platform the step is compiled for: the layout's devices' (CPU devices stand in for GPUs)."""
-    return platform if layout is None else layout.mesh.devices.flat[0].platform
-
-
 def model_from_config(config, platform: str, layout: Layout | None = None) -> tuple[LanguageModel, list[str]]:
     """The model for a run on `platform`, with the attention kernel resolved; notes say what was
     chosen. Given the run's layout, the model's strategy runs the pipeline schedule, context
     parallel attention and expert dispatch its mesh needs (see Strategy.for_layout)."""
     m = config.model
+    compiler = platform if layout is None else layout.mesh.devices.flat[0].platform  # CPU devices stand in for GPUs
     impl, note = resolve_impl(m.attention.impl, platform, compute_dtype(m.dtype, platform), widths(m)[0],
                               config.data.document_mask, config.train.seq_len, config.train.deterministic,
                               m.attn_logit_softcap, m.mla.kv_lora_rank > 0)
@@ -199,10 +195,9 @@ def model_from_config(config, platform: str, layout: Layout | None = None) -> tu
         virtual_stages=config.pipeline.virtual_stages, context=m.attention.context_parallel,
         schedule_file=config.pipeline.schedule_file,
         overlap=config.sharding.overlap,
-        collective_matmul=collective_matmul.wanted(config.sharding.collective_matmul, _compiler(platform, layout)))
+        collective_matmul=collective_matmul.wanted(config.sharding.collective_matmul, compiler))
     one_cpu = _one_cpu_device(platform, layout)
     cpu_matmul = m.projections == "cpu" or (m.projections == "auto" and one_cpu)
-    compiler = _compiler(platform, layout)
     reason = m.fp8 and fp8.unsupported(platform, None if layout is None else list(layout.mesh.devices.flat))
     if reason:
         raise ConfigError("model.fp8", m.fp8, f"{reason}; set it to False")

@@ -28,10 +28,11 @@ from jaxscale.names import AXES_KEY
 from jaxscale.parallel import collective_matmul, context
 from jaxscale.sharding import constrain
 
-# Logical names of activations (see jaxscale.sharding): the residual stream, and the inside of
-# tensor-parallel regions.
+# Logical names of activations (see jaxscale.sharding): the residual stream, the inside of
+# tensor-parallel regions, and the MLP's hidden activations.
 RESIDUAL = ("batch", "length", "act_embed")
 INNER = ("batch", "act_length", "act_embed")
+HIDDEN = ("batch", "act_length", "act_mlp")
 
 
 
@@ -249,16 +250,23 @@ class MLPKind:
     from_activation: bool  # the hidden is an elementwise tail's output: see models.matmul
 
     def run(self, x, w: dict, dot: Callable, bias: Callable, hidden: Callable = lambda h: h,
-            adapt: Callable = lambda name, x, y: y):
+            adapt: Callable = lambda name, x, y: y, inputs: Callable | None = None):
         """The MLP of x with weights w (by name: 'w_up', 'bias_up', ...): dot(x, weight, output)
         projects (output: the output projection), adapt(name, x, y) adds a projection's adapters
-        (models.lora), bias(y, b) adds a bias, hidden(h) places the hidden activations."""
-        def project(x, name, output):
-            y = adapt(name, x, dot(x, w[f"w_{name}"], output))
+        (models.lora), bias(y, b) adds a bias, hidden(h) places the hidden activations;
+        inputs(x, weights), where given, gives the input projections' products at once (no
+        adapters: collective matmuls)."""
+        def biased(y, name):
             return bias(y, w[f"bias_{name}"]) if f"bias_{name}" in w else y
 
-        h = hidden(self.activation(*(project(x, name, False) for name in self.inputs)))
-        return project(h, self.output, True)
+        def project(x, name, output):
+            return biased(adapt(name, x, dot(x, w[f"w_{name}"], output)), name)
+
+        if inputs is None:
+            ins = [project(x, name, False) for name in self.inputs]
+        else:
+            ins = [biased(y, name) for y, name in zip(inputs(x, [w[f"w_{n}"] for n in self.inputs]), self.inputs)]
+        return project(hidden(self.activation(*ins)), self.output, True)
 
     def attach(self, module, biased: bool, weight: Callable, bias: Callable) -> None:
         """Set w_<name> (and with `biased` bias_<name>) on `module` for each projection, inputs
@@ -318,23 +326,25 @@ class MLP(nnx.Module):
             return self.matmul(x, w, from_activation=output and self.kind.from_activation)
 
         def hidden(h_BLF):
-            return constrain(h_BLF, self.layout, ("batch", "act_length", "act_mlp"))
+            return constrain(h_BLF, self.layout, HIDDEN)
 
-        if split:
-            return self._collective(x_BLD, w, dot, hidden)
+        if split:  # no adapters: see `collective`
+            return self.kind.run(x_BLD, w, self._scattering(dot), lambda y, b: y + b, hidden,
+                                 inputs=self._gathering(dot))
         adapt = functools.partial(lora.adapt, self, seeds=seeds)
         return self.kind.run(x_BLD, w, dot, lambda y, b: y + b, hidden, adapt)
 
-    def _collective(self, x_BLD, w: dict, dot, hidden):
-        """The MLP with its input projections gathered and its output scattered by collective
-        matmuls (no adapters: see `collective`)."""
-        def biased(y, name):
-            return y + w[f"bias_{name}"] if f"bias_{name}" in w else y
+    def _gathering(self, dot):
+        """The input projections of x split along length over `tensor`, by one collective matmul."""
+        def inputs(x_BLD, weights):
+            return collective_matmul.gathered(x_BLD, [(v, ("embed", "mlp")) for v in weights],
+                                              lambda x, v: dot(x, v, False), self.layout, [HIDDEN] * len(weights))
+        return inputs
 
-        inner = ("batch", "act_length", "act_mlp")
-        ins = collective_matmul.gathered(x_BLD, [(w[f"w_{n}"], ("embed", "mlp")) for n in self.kind.inputs],
-                                         lambda x, v: dot(x, v, False), self.layout, [inner] * len(self.kind.inputs))
-        h = hidden(self.kind.activation(*(biased(y, n) for y, n in zip(ins, self.kind.inputs))))
-        out = self.kind.output
-        return biased(collective_matmul.scattered(h, w[f"w_{out}"], lambda h, v: dot(h, v, True), self.layout,
-                                                  inner, ("mlp", "embed")), out)
+    def _scattering(self, dot):
+        """The output projection by a collective matmul, its output split along length over
+        `tensor` (MLPKind.run's `dot` when `_gathering` gives the inputs: it projects the output alone)."""
+        def projected(h, v, _output):
+            return collective_matmul.scattered(h, v, lambda h, v: dot(h, v, True), self.layout, HIDDEN,
+                                               ("mlp", "embed"))
+        return projected

@@ -13,21 +13,12 @@ import dataclasses
 
 from jaxscale.names import CONTEXT_PARALLEL, OVERLAPS, PIPELINE_SCHEDULES
 from jaxscale.parallel import schedules
+from jaxscale.parallel.collective_matmul import fits as fits_collective_matmuls
 from jaxscale.sharding import Layout
 
 PIPELINES = ("none", *PIPELINE_SCHEDULES)  # Strategy.pipeline's choices
 CONTEXT_ALGORITHMS = ("none", *CONTEXT_PARALLEL)
 EXPERT_DISPATCH = ("local", "all_to_all")
-
-
-def _collective_matmuls_apply(layout: Layout) -> bool:
-    """Whether layers on `layout` can run collective matmuls (parallel.collective_matmul): where
-    sequence parallelism splits the residual stream's length over `tensor`; not beside context
-    parallelism, whose attention takes the whole of its length, nor in pipeline stages (on
-    XLA:CPU a stage's permutes over `tensor` waited for devices of other stages, which never
-    send them, and the step hung)."""
-    shape = layout.mesh.shape
-    return shape["pipeline"] == 1 and shape["sequence"] == 1 and "tensor" in layout.axes("length")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +60,7 @@ class Strategy:
                    schedule_file=schedule_file if shape["pipeline"] > 1 else "",
                    context=context if shape["sequence"] > 1 else "none",
                    experts="all_to_all" if shape["expert"] > 1 else "local", overlap=overlap,
-                   collective_matmul=collective_matmul and _collective_matmuls_apply(layout))
+                   collective_matmul=collective_matmul and fits_collective_matmuls(layout))
 
     @property
     def mesh(self):

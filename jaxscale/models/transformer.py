@@ -64,11 +64,11 @@ class Block(nnx.Module):
         branch_BLD = getattr(self, post)(branch_BLD) if hasattr(self, post) else branch_BLD
         return constrain(x_BLD + branch_BLD, self.layout, RESIDUAL)
 
-    def _attend(self, x_BLD, places, cache, kind):
+    def _attend(self, x_BLD, places, cache, kind, split: bool):
         # Norms run on the residual layout (split along length in sequence-parallel mode); their
         # outputs are gathered to the tensor-parallel layout that attention and the MLP need, or
-        # with collective matmuls (layers.split_here) gathered chunk by chunk by the projections.
-        if split_here(self.spec, cache):
+        # with collective matmuls (`split`: layers.split_here) chunk by chunk by the projections.
+        if split:
             attn_BLD, cache = self.attn(self.attn_norm(x_BLD), places, cache, kind, split=True)
         else:
             attn_BLD, cache = self.attn(constrain(self.attn_norm(x_BLD), self.layout, INNER), places, cache, kind)
@@ -77,8 +77,9 @@ class Block(nnx.Module):
     def __call__(self, x_BLD, places, cache=None, kind=None):
         """(x_BLD, this layer's updated KV cache, or None without one: see Attention; `kind`
         its LayerKind)."""
-        x_BLD, cache = self._attend(x_BLD, places, cache, kind)
-        if split_here(self.spec, cache):
+        split = split_here(self.spec, cache)
+        x_BLD, cache = self._attend(x_BLD, places, cache, kind, split)
+        if split:
             mlp_BLD = self.mlp(self.mlp_norm(x_BLD), places.seeds, split=True)
         else:
             mlp_BLD = self.mlp(constrain(self.mlp_norm(x_BLD), self.layout, INNER), places.seeds)
@@ -93,7 +94,7 @@ class MoEBlock(Block):
 
     def __call__(self, x_BLD, places, cache=None, kind=None):
         """(x_BLD, updated KV cache or None, {name: scalar} router statistics)."""
-        x_BLD, cache = self._attend(x_BLD, places, cache, kind)
+        x_BLD, cache = self._attend(x_BLD, places, cache, kind, split_here(self.spec, cache))
         out_BLD, stats = self.mlp(constrain(self.mlp_norm(x_BLD), self.layout, INNER))
         return self._join(x_BLD, out_BLD, "mlp_post_norm"), cache, stats
 

@@ -33,12 +33,20 @@ def wanted(setting: str, compiler: str) -> bool:
     return setting == "on" or (setting == "auto" and compiler == "tpu")
 
 
-def applies(layout: Layout | None) -> bool:
-    """Whether a layer traced here can run its projections as collective matmuls: `tensor` is
-    not manual here and splits the residual stream's length (sequence parallelism) and the heads
-    and hidden units the output projections contract over."""
-    return (layout is not None and layout.mesh.shape[AXIS] > 1 and AXIS in layout.free_axes()
+def fits(layout: Layout) -> bool:
+    """Whether layers on `layout` can run collective matmuls: `tensor` splits the residual
+    stream's length (sequence parallelism) and the heads and hidden units the output projections
+    contract over; not beside context parallelism, whose attention takes the whole of its length,
+    nor in pipeline stages (on XLA:CPU a stage's permutes over `tensor` waited for devices of other
+    stages, which never send them, and the step hung)."""
+    shape = layout.mesh.shape
+    return (shape[AXIS] > 1 and shape["pipeline"] == 1 and shape["sequence"] == 1
             and all(AXIS in layout.axes(name) for name in ("length", "act_heads", "act_mlp")))
+
+
+def applies(layout: Layout | None) -> bool:
+    """Whether a layer traced here, on a layout that `fits`, can run them: `tensor` is not manual here."""
+    return layout is not None and AXIS in layout.free_axes()
 
 
 def _spec(layout: Layout, names: Sequence[str | None]) -> P:
