@@ -33,7 +33,10 @@ def assemble(read_layer: Callable[[int], np.ndarray], shape: tuple[int, ...], sh
     stacked = jnp.zeros(shape, jnp.float32, device=sharding)
     per_layer = layer_sharding(sharding)
     for i in range(shape[0]):
-        stacked = _write_layer(stacked, jax.device_put(read_layer(i), per_layer), i)
+        # Each layer's transfer finishes before the next is read: otherwise the reads run ahead of
+        # the device and hold several layers' host buffers at once.
+        layer = jax.device_put(read_layer(i), per_layer).block_until_ready()
+        stacked = _write_layer(stacked, layer, i)
     return stacked
 
 
