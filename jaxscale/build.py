@@ -128,7 +128,8 @@ def build(config, devices=None, platform: str | None = None) -> Run:
     abstract, shardings = state_lib.abstract(model, tx, layout, guard, offload, preference.keeps_copy(tuning, model))
     spec = StepSpec(model, tx, schedule, layout, shardings, config.train.grad_accum_steps, guard,
                     determinism.compiler_options(config, platform)
-                    + xla_flags.compiler_options(config.xla, platform, experts=model.spec.moe.num_experts > 0),
+                    + xla_flags.compiler_options(config.xla, platform, experts=model.spec.moe.num_experts > 0,
+                                                 device_kind=devices[0].device_kind),
                     tuning)
     n = mfu.active_params(abstract.weights, model.spec)
     frozen = mfu.active_params(abstract.base, model.spec) if model.spec.lora.on else 0

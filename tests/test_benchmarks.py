@@ -107,6 +107,20 @@ def _check_search(out):
         rows[0]["measured_s"] / min(r["measured_s"] for r in rows))
 
 
+def _check_maxtext(out):
+    """--smoke writes a tiny jaxscale step (data=2 x fsdp=4) as benchmarks/_maxtext_compile.py
+    writes MaxText's, and reads it back: the reader's collectives, per-chip total and overlap are
+    the plan's own for the same compiled program."""
+    plan, memory = out["plan"], out["memory"]
+    assert out["mesh"] == {"data": 2, "fsdp": 4} and out["sent_bytes"] > 0
+    assert out["collectives"] == plan["collectives"] and out["collectives_by_axis"] == plan["collectives_by_axis"]
+    assert out["overlap"] == plan["overlap"] and out["exposed_bytes"] is None  # no target: nothing priced
+    compiled = plan["compiled_bytes"]
+    assert [memory[f"{k}_size_in_bytes"] for k in ("argument", "output", "temp", "alias")] == \
+        [compiled[k] for k in ("argument", "output", "temp", "alias")]
+    assert out["total_bytes"] == compiled["argument"] + compiled["output"] + compiled["temp"] - compiled["alias"]
+
+
 def _check_checkpoint(out):
     """The state saved is the config's: float32 parameters and Adam's two moments, 12 bytes a
     parameter (N by hand, tests/sends.param_groups), and a few scalars (steps, counts, the key).
@@ -220,6 +234,7 @@ BENCHMARKS = {  # file -> (extra arguments, check of its JSON)
     "context_parallel.py": ([], _check_context_parallel),
     "pipeline.py": ([], _check_pipeline),
     "search.py": ([], _check_search),
+    "maxtext_plan.py": ([], _check_maxtext),
 }
 
 

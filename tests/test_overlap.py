@@ -74,20 +74,33 @@ def test_an_async_wrapper_and_its_update_are_one_window():
     assert hlo_stats.collective_stats(text)["reduce-scatter"]["count"] == 1
 
 
-def test_a_collective_offloaded_to_the_sparsecores_is_one_window_beside_the_tensorcores_compute():
-    """libtpu's form of a reduce-scatter offloaded to the SparseCores: a call-start of a computation
-    run on the `sparsecore` thread, the TensorCores' matmuls, then its call-done."""
+# libtpu's two forms of a reduce-scatter offloaded to the SparseCores (shapes cut down): 0.0.42's
+# call-start .. call-done, and 0.0.52's custom-call-start, a custom-call-update, custom-call-done.
+SPARSECORE_FORMS = {
+    "call": ("%rs.call-start = ((f32[64]{0}, token[]), f32[8]{0}) call-start(%x, %t), "
+             'async_execution_thread="sparsecore", to_apply=%called_computation.3',
+             "%rs.call-done = f32[8]{0} call-done(%rs.call-start)"),
+    "custom-call": ("%rs.call-start = ((), (), (s32[8]{0})) custom-call-start(), async_execution_thread="
+                    '"sparsecore", custom_call_target="", called_computations={%called_computation.3}',
+                    "%rs.call-update = ((f32[64]{0}), f32[8]{0}, (s32[8]{0})) custom-call-update(%rs.call-start, %x), "
+                    'async_execution_thread="sparsecore", custom_call_target="", '
+                    "called_computations={%called_computation.3}",
+                    "%rs.call-done = f32[8]{0} custom-call-done(%rs.call-update)"),
+}
+
+
+@pytest.mark.parametrize("form", SPARSECORE_FORMS)
+def test_a_collective_offloaded_to_the_sparsecores_is_one_window_beside_the_tensorcores_compute(form):
+    """libtpu's forms of a reduce-scatter offloaded to the SparseCores: a start of a computation
+    run on the `sparsecore` thread, the TensorCores' matmuls, then its done."""
     offloaded = f"""%called_computation.3 (p0: f32[64], p1: token[]) -> f32[8] {{
   %p0 = f32[64]{{0}} parameter(0)
   ROOT %rs = f32[8]{{0}} reduce-scatter(%p0), {GROUP}, dimensions={{0}}, to_apply=%add.clone
 }}, execution_thread="sparsecore"
 """
-    text = module(offloaded, entry(*OPERANDS,
-                                   "%t = token[] after-all()",
-                                   "%rs.call-start = ((f32[64]{0}, token[]), f32[8]{0}) call-start(%x, %t), "
-                                   'async_execution_thread="sparsecore", to_apply=%called_computation.3',
-                                   DOT.format(n=1), DOT.format(n=2),
-                                   "%rs.call-done = f32[8]{0} call-done(%rs.call-start)"))
+    start, *middle, done = SPARSECORE_FORMS[form]
+    text = module(offloaded, entry(*OPERANDS, "%t = token[] after-all()", start, DOT.format(n=1), *middle,
+                                   DOT.format(n=2), done))
     assert windows(text) == {("reduce-scatter", 2 * DOT_FLOPS): 1}
     assert hlo_stats.collective_stats(text)["reduce-scatter"] == {"count": 1, "bytes": 8 * 4}
 

@@ -94,15 +94,19 @@ def test_gpu_defaults_leave_the_users_flags_alone():
 def test_the_steps_compile_with_the_platforms_defaults_but_not_over_the_users():
     """The train and eval steps carry the defaults as compiler options (so a plan for a TPU or GPU
     target compiles what a run there does); a flag the user set in LIBTPU_INIT_ARGS or XLA_FLAGS,
-    or the config's off switch, leaves them out; a model with experts takes no continuation
-    fusions."""
+    or the config's off switch, leaves them out; continuation fusions only on a v5e (libtpu 0.0.52
+    refuses them elsewhere), and not for a model with experts."""
     xla = defaults().xla
-    tpu = dict(xla_flags.compiler_options(xla, "tpu", {}))
-    assert tpu == xla_flags.TPU_OPTIONS and xla_flags.compiler_options(xla, "cpu", {}) == ()
+    v5e = dict(xla_flags.compiler_options(xla, "tpu", {}, device_kind="TPU v5 lite"))
+    assert v5e == xla_flags.TPU_OPTIONS and xla_flags.compiler_options(xla, "cpu", {}) == ()
+    for kind in ("TPU v5", "TPU v6 lite", "TPU v4"):
+        assert dict(xla_flags.compiler_options(xla, "tpu", {}, device_kind=kind)) == xla_flags.SPARSECORE_OFFLOAD
     # A mixture of experts compiles without the continuation fusions, with the SparseCore offload.
-    assert dict(xla_flags.compiler_options(xla, "tpu", {}, experts=True)) == xla_flags.SPARSECORE_OFFLOAD
+    assert dict(xla_flags.compiler_options(xla, "tpu", {}, experts=True, device_kind="TPU v5 lite")) == \
+        xla_flags.SPARSECORE_OFFLOAD
     mine = {"LIBTPU_INIT_ARGS": "--xla_enable_async_all_gather=false"}
-    assert "xla_enable_async_all_gather" not in dict(xla_flags.compiler_options(xla, "tpu", mine))
+    mine_v5e = dict(xla_flags.compiler_options(xla, "tpu", mine, device_kind="TPU v5 lite"))
+    assert "xla_enable_async_all_gather" not in mine_v5e and "xla_tpu_enable_async_collective_fusion" in mine_v5e
     gpu = dict(xla_flags.compiler_options(xla, "gpu", {"XLA_FLAGS": "--xla_gpu_enable_pipelined_all_gather=false"}))
     assert gpu["xla_gpu_enable_latency_hiding_scheduler"] is True and "xla_gpu_enable_pipelined_all_gather" not in gpu
     assert gpu["xla_gpu_all_reduce_combine_threshold_bytes"] == 128 * 2**20

@@ -85,10 +85,11 @@ _BRANCH_ATTRS = ("true_computation", "false_computation", "branch_computations")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TPU_START = re.compile(r"async-collective-start(\.\d+)?$")
 _TPU_DONE = re.compile(r"async-collective-done(\.\d+)?$")
-# Instructions that run a computation asynchronously: `async-start`, and `call-start`, which the
-# TPU compiler writes for a collective offloaded to the chip's SparseCores
+# Instructions that run a computation asynchronously: `async-start`, and `call-start` (libtpu
+# 0.0.42) or `custom-call-start` (0.0.52, then `custom-call-update`s and `custom-call-done`), which
+# the TPU compiler writes for a collective offloaded to the chip's SparseCores
 # (async_execution_thread="sparsecore"), beside the TensorCores' compute.
-ASYNC_CALLS = ("async-start", "call-start")
+ASYNC_CALLS = ("async-start", "call-start", "custom-call-start")
 _TPU_STEP = re.compile(r"\bcalls=%?async_collective_fusion")
 _WINDOW = re.compile(r"window=\{([^}]*)\}")
 _TWO_OPERANDS = re.compile(r"\s*[\w\-]+\(\s*(?:([a-z][a-z0-9]*\[[^\]]*\])\S*\s+)?%?([^\s,()]+)\s*,"

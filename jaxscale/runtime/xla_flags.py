@@ -6,13 +6,14 @@ XLA_FLAGS before JAX starts its GPU backend, and the train and eval steps compil
 compiler options, so a plan compiled for a GPU target on any host (`python -m jaxscale.plan
 --topology=h100-8`) compiles what a GPU run does. `--config.xla.gpu_defaults=False` sets none.
 
-TPUs: the steps compile with the TPU compiler's continuation fusions (CONTINUATION_FUSIONS; not
-for a mixture of experts), which split a collective into steps run inside the compute fusions
-scheduled beside it, and with reduce-scatters offloaded to the SparseCores (v5p), which run beside
-the TensorCores; without them libtpu runs every all-gather and reduce-scatter of an FSDP step as
-a blocking op (read from the compiled
-schedule by jaxscale.analysis.overlap; benchmarks/results/pods.md). `--config.xla.tpu_defaults=False`
-sets none.
+TPUs: the steps compile with reduce-scatters offloaded to the SparseCores (v5p), which run beside
+the TensorCores, and on v5e with the TPU compiler's continuation fusions for all-gathers
+(CONTINUATION_FUSIONS; not for a mixture of experts), which split a collective into steps run
+inside the compute fusions scheduled beside it. libtpu supports those fusions on v5e only: from
+libtpu 0.0.52 a v5p, v6e or v4 program compiled with them fails ("not supported/recommended on
+platforms other than TPU v5e ... incorrect results, hang, SDC"). What each hides is read from the
+compiled schedule by jaxscale.analysis.overlap (benchmarks/results/pods.md).
+`--config.xla.tpu_defaults=False` sets none.
 
 A flag already in the user's XLA_FLAGS (GPU) or LIBTPU_INIT_ARGS (TPU) is left as the user set it.
 """
@@ -39,9 +40,11 @@ GPU_FLAGS: dict[str, str] = {
 }
 
 
-# The TPU compiler's continuation fusions for all-gathers (MaxText sets them in its TPU recipes):
-# Llama-3-8B on v5p-256 (fsdp=128) sent 61% of its 41.7 GiB beside matmuls instead of none, for
-# 0.26 GiB more temporaries a chip. A mixture of experts gets little from them and pays in memory,
+# The TPU compiler's continuation fusions for all-gathers (MaxText sets them in its v5e recipes),
+# on v5e only (CONTINUATION_KINDS), the one generation libtpu supports them on. Measured on v5p
+# with libtpu 0.0.42.1, which still compiled them there: Llama-3-8B on v5p-256 (fsdp=128) sent 61%
+# of its 41.7 GiB beside matmuls instead of none, for 0.26 GiB more temporaries a chip. A mixture
+# of experts gets little from them and pays in memory,
 # the gathered experts of the layers ahead kept live: Mixtral 8x7B on v5p-256 1.59 GiB more for
 # 27 ms of a 3.96 s predicted step, DeepSeek-V3 on v5p-512 17.39 GiB more (106.91 GiB a chip, past
 # the 95 GiB of HBM) for 115 ms of 9.3 s; so a model with experts compiles without them
@@ -60,16 +63,19 @@ CONTINUATION_FUSIONS: dict[str, bool] = {
 # generations accept it: a reduce-scatter compiled for v5e, v4 and v6e had no SparseCore call.
 SPARSECORE_OFFLOAD: dict[str, bool] = {"xla_tpu_enable_sparse_core_collective_offload_reduce_scatter": True}
 TPU_OPTIONS: dict[str, bool] = {**CONTINUATION_FUSIONS, **SPARSECORE_OFFLOAD}
+CONTINUATION_KINDS = ("TPU v5 lite",)  # device_kind of the TPUs libtpu runs continuation fusions on: v5e
 
 
-def compiler_options(xla_cfg, platform: str, env=None, experts: bool = False) -> tuple[tuple[str, bool | int], ...]:
-    """(name, value) pairs the steps compile with on `platform`: the defaults above the user
-    has not set in XLA_FLAGS (GPU) or LIBTPU_INIT_ARGS (TPU), unless the config turns them off;
-    for a model with `experts`, no continuation fusions on a TPU."""
+def compiler_options(xla_cfg, platform: str, env=None, experts: bool = False,
+                     device_kind: str = "") -> tuple[tuple[str, bool | int], ...]:
+    """(name, value) pairs the steps compile with on `platform` (its devices' `device_kind`): the
+    defaults above the user has not set in XLA_FLAGS (GPU) or LIBTPU_INIT_ARGS (TPU), unless the
+    config turns them off; continuation fusions only on a v5e, and not for a model with `experts`."""
     env = os.environ if env is None else env
     if platform == "tpu" and xla_cfg.tpu_defaults:
         mine = _named(env.get("LIBTPU_INIT_ARGS", ""))
-        options = SPARSECORE_OFFLOAD if experts else TPU_OPTIONS
+        fused = device_kind in CONTINUATION_KINDS and not experts
+        options = TPU_OPTIONS if fused else SPARSECORE_OFFLOAD
         return tuple((name, value) for name, value in options.items() if name not in mine)
     if platform == "gpu" and xla_cfg.gpu_defaults:
         mine = _named(env.get("XLA_FLAGS", ""))
