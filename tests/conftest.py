@@ -261,9 +261,9 @@ def fast_run_steps():
 
     options = xla_flags.compiler_options
 
-    def faster(xla_cfg, platform, env=None, experts=False):
-        return options(xla_cfg, platform, env, experts) + ((("xla_backend_optimization_level", 1),)
-                                                            if platform == "cpu" else ())
+    def faster(xla_cfg, platform, *args, **kwargs):
+        return options(xla_cfg, platform, *args, **kwargs) + ((("xla_backend_optimization_level", 1),)
+                                                               if platform == "cpu" else ())
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(xla_flags, "compiler_options", faster)
