@@ -16,8 +16,6 @@ import time
 
 
 def main(out_dir: str, args: list[str]) -> None:
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]  # `maxtext`: the package
     from maxtext.trainers.pre_train import train_compile  # MaxText's venv only
 
     captured = {}
