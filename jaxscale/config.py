@@ -167,14 +167,15 @@ def _add_parallelism(c: ml_collections.ConfigDict) -> None:
     c.sharding = dict(
         sequence_parallel=True,   # with mesh.tensor > 1: norms/residuals split along length over `tensor` between
                                   # tensor-parallel regions (Megatron's), where seq_len divides; False: whole
-        overlap="off",            # off | head | all: FSDP collectives a step away from the compute that needs
-                                  # them, so the compiler can run them beside other matmuls. head: the loss's
-                                  # chunks of the head gathered a chunk ahead, their gradients reduce-scattered a
-                                  # chunk behind (models/vocab.py). all: also, under model.remat=full, each scanned
-                                  # layer's MLP gradients reduce-scattered during the previous layer's backward,
-                                  # one layer's MLP gradient held meanwhile (parallel/fsdp.py). Llama-3-8B
-                                  # on v5p-256 at fsdp=128: 22% of the bytes sent exposed off, 15% head, 8.1%
-                                  # all, for 0.23 and 0.31 GiB a chip (docs/planning.md#what-the-schedule-hides)
+        overlap="auto",           # auto | off | head | all: FSDP collectives a step away from the compute that
+                                  # needs them, so the compiler can run them beside other matmuls. head: the
+                                  # loss's chunks of the head gathered a chunk ahead, their gradients
+                                  # reduce-scattered a chunk behind (models/vocab.py). all: also, under
+                                  # model.remat=full, each scanned layer's MLP gradients reduce-scattered during
+                                  # the previous layer's backward, one layer's MLP gradient held meanwhile
+                                  # (parallel/fsdp.py). auto: head on the TPU compiler, off elsewhere. Llama-3-8B
+                                  # on v5p-256 at fsdp=128: 11.4% of the bytes sent exposed off, 8.7% head, 5.1%
+                                  # all, for 0.04 and 0.09 GiB a chip more (docs/planning.md#what-the-schedule-hides)
         collective_matmul="auto",  # auto | on | off: with sequence parallelism, each dense layer's gathers and
                                    # reduce-scatters over `tensor` as ring steps beside its projections' partial
                                    # matmuls (parallel/collective_matmul.py). auto: on where the TPU compiler

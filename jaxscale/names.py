@@ -57,7 +57,8 @@ ROUTER_SCORES = ("softmax", "sigmoid")  # model.moe.score (models.moe.route)
 REMAT_POLICIES = ("none", "full", "dots_saveable")
 LAYER_LOOPS = ("auto", "scan", "unroll")
 PROJECTIONS = ("auto", "einsum", "cpu")
-OVERLAPS = ("off", "head", "all")  # sharding.overlap (models.strategy.Strategy.overlap)
+OVERLAPS = ("off", "head", "all")  # models.strategy.Strategy.overlap
+OVERLAP_SETTINGS = ("auto", *OVERLAPS)  # sharding.overlap: auto is head on the TPU compiler, off elsewhere
 COLLECTIVE_MATMULS = ("auto", "on", "off")  # sharding.collective_matmul (parallel.collective_matmul)
 UNROLL_UP_TO = 8  # layer_loop=auto unrolls this many layers or fewer on CPU
 DTYPES = ("auto", "float32", "bfloat16")

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxscale.errors import field_value, require, require_choice
 from jaxscale.mesh import make_mesh
-from jaxscale.names import AXES, COLLECTIVE_MATMULS, DEFAULT_RULES, OVERLAPS, split_ways
+from jaxscale.names import AXES, COLLECTIVE_MATMULS, DEFAULT_RULES, OVERLAP_SETTINGS, split_ways
 
 Entries = tuple[tuple[str, ...], ...]  # a PartitionSpec as one tuple of mesh axes per dimension
 
@@ -287,7 +287,7 @@ def check_layout(config, rules: Mapping[str, tuple[str, ...]], sizes: Mapping[st
     """A valid ZeRO stage, overlap and collective matmul setting, and every dimension the rules split divides evenly
     into its pieces (shardings must be even); raises ConfigError naming the field to change."""
     require(0 <= config.zero_stage <= 3, "zero_stage", config.zero_stage, "choose 0, 1, 2 or 3")
-    require_choice("sharding.overlap", config.sharding.overlap, OVERLAPS)
+    require_choice("sharding.overlap", config.sharding.overlap, OVERLAP_SETTINGS)
     require_choice("sharding.collective_matmul", config.sharding.collective_matmul, COLLECTIVE_MATMULS)
     for name, fields in _DIMENSIONS.items():
         parts, axes = split_ways(rules[name], sizes)

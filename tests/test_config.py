@@ -161,7 +161,7 @@ def test_a_path_on_the_command_line_means_the_file_source():
      "no sliding-window layers"),
     (["model.mla.kv_lora_rank=30", "mesh.fsdp=4", "mesh.data=2"], "model.mla.kv_lora_rank", "split 4 ways"),
     (["model.mtp_depth=-1"], "model.mtp_depth", ">= 0"),
-    (["sharding.overlap=sometimes"], "sharding.overlap", "off, head, all"),
+    (["sharding.overlap=sometimes"], "sharding.overlap", "auto, off, head, all"),
     (["model.mtp_depth=1", "mesh.data=4", "mesh.pipeline=2"], "model.mtp_depth", "set mesh.pipeline=1"),
     (["model.mtp_depth=1", "mesh.data=4", "mesh.sequence=2"], "model.mtp_depth", "set mesh.sequence=1"),
 ])

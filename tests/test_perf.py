@@ -95,15 +95,18 @@ def test_the_steps_compile_with_the_platforms_defaults_but_not_over_the_users():
     """The train and eval steps carry the defaults as compiler options (so a plan for a TPU or GPU
     target compiles what a run there does); a flag the user set in LIBTPU_INIT_ARGS or XLA_FLAGS,
     or the config's off switch, leaves them out; continuation fusions only on a v5e (libtpu 0.0.52
-    refuses them elsewhere), and not for a model with experts."""
+    refuses them elsewhere); a model with experts gets neither them nor the all-gather offload."""
     xla = defaults().xla
     v5e = dict(xla_flags.compiler_options(xla, "tpu", {}, device_kind="TPU v5 lite"))
-    assert v5e == xla_flags.TPU_OPTIONS and xla_flags.compiler_options(xla, "cpu", {}) == ()
+    assert v5e == {**xla_flags.CONTINUATION_FUSIONS, **xla_flags.DENSE_OPTIONS}
+    assert xla_flags.compiler_options(xla, "cpu", {}) == ()
     for kind in ("TPU v5", "TPU v6 lite", "TPU v4"):
-        assert dict(xla_flags.compiler_options(xla, "tpu", {}, device_kind=kind)) == xla_flags.SPARSECORE_OFFLOAD
-    # A mixture of experts compiles without the continuation fusions, with the SparseCore offload.
+        assert dict(xla_flags.compiler_options(xla, "tpu", {}, device_kind=kind)) == xla_flags.DENSE_OPTIONS
+        # A mixture of experts compiles with the reduce-scatters offloaded alone.
+        assert dict(xla_flags.compiler_options(xla, "tpu", {}, experts=True, device_kind=kind)) == \
+            xla_flags.SPARSECORE_REDUCE_SCATTER
     assert dict(xla_flags.compiler_options(xla, "tpu", {}, experts=True, device_kind="TPU v5 lite")) == \
-        xla_flags.SPARSECORE_OFFLOAD
+        xla_flags.SPARSECORE_REDUCE_SCATTER
     mine = {"LIBTPU_INIT_ARGS": "--xla_enable_async_all_gather=false"}
     mine_v5e = dict(xla_flags.compiler_options(xla, "tpu", mine, device_kind="TPU v5 lite"))
     assert "xla_enable_async_all_gather" not in mine_v5e and "xla_tpu_enable_async_collective_fusion" in mine_v5e

@@ -307,37 +307,39 @@ def _sent(plan: dict, kind: str) -> tuple[float, float]:
             sum(w["sent_bytes"] * w["runs"] for w in rows if w["flops_beside"] > 0))
 
 
-def test_by_default_a_pods_gradient_reduce_scatters_run_beside_the_layers_matmuls(pod_fsdp32):
-    """With the TPU defaults (xla.tpu_defaults, on by default) the gradients' reduce-scatters run
-    on v5p's SparseCores beside the TensorCores' compute: read from the schedule, 0.17 of the
-    reduce-scattered bytes are sent beside matmuls (libtpu 0.0.42.1; the compiler's choice, the
-    same on any host). The weight gathers block: the continuation fusions that would split them
-    into the compute are for v5e only (libtpu 0.0.52 refuses them on v5p; docs/planning.md).
+def test_by_default_a_pods_gathers_and_reduce_scatters_run_beside_the_layers_matmuls(pod_fsdp32):
+    """With the TPU defaults (xla.tpu_defaults, on by default) the weights' all-gathers and the
+    gradients' reduce-scatters run on v5p's SparseCores beside the TensorCores' compute, and
+    sharding.overlap=auto gathers the head's chunks a chunk ahead on the TPU compiler: read from
+    the schedule, 0.67 of the gathered and 0.65 of the reduce-scattered bytes are sent beside
+    matmuls (libtpu 0.0.42.1; the compiler's choice, the same on any host). With
+    sharding.overlap=off it is 0.54 and 0.42: the head's gathers then wait for their chunk.
+    Continuation fusions are for v5e only (libtpu 0.0.52 refuses them on v5p; docs/planning.md).
     A chain's collective is counted once, not once per step: the bytes are the ring arithmetic's
     (test_a_pod_gathers_weights...)."""
     config, plan, hlo = pod_fsdp32
     (gathered, gathered_beside), (scattered, scattered_beside) = (_sent(plan, k) for k in ("all-gather",
                                                                                           "reduce-scatter"))
-    assert gathered > 0 and gathered_beside == 0 and scattered_beside > 0.15 * scattered
+    assert gathered_beside > 0.6 * gathered and scattered_beside > 0.6 * scattered
     assert 'async_execution_thread="sparsecore"' in hlo and "async-collective-start" not in hlo
     row = plan["overlap"]["fsdp"]
-    assert row["async_bytes"] >= scattered_beside and row["flops_beside"] > 0
+    assert row["async_bytes"] >= gathered_beside + scattered_beside and row["flops_beside"] > 0
 
 
 def test_overlap_all_reduces_each_layer_beside_the_previous_layers_backward():
     """sharding.overlap=all: each layer's MLP gradients reduce-scattered during the previous
     layer's backward pass (its attention's in its own), the head's chunks gathered a chunk ahead
     and reduced a chunk behind. The same bytes by the ring arithmetic (and one chunk of the head
-    gathered again), and more of them beside matmuls: read from the schedule, 0.47 of the
-    reduce-scattered bytes against 0.17 by default (above; libtpu 0.0.42.1, v5p). Its gathers
-    block, as by default: on v5p no continuation fusions split them into the compute."""
+    gathered again), and more of them beside matmuls: read from the schedule, 0.75 of the
+    reduce-scattered bytes against 0.65 by default (above; libtpu 0.0.42.1, v5p), and the
+    gathers' 0.67 as by default."""
     devices, _ = topology.compile_only_devices("v5p-64")
     config = cli.load_config(str(ROOT / "configs" / "llama3_8b.py"), [*POD, "sharding.overlap=all"])
     run, compiled, seconds = plan_lib.compile_plan(config, "tpu", devices)
     plan = plan_lib.describe(config, run, compiled, seconds).to_json()
     (gathered, gathered_beside), (scattered, scattered_beside) = (_sent(plan, k) for k in ("all-gather",
                                                                                           "reduce-scatter"))
-    assert gathered > 0 and gathered_beside == 0 and scattered_beside > 0.45 * scattered
+    assert gathered_beside > 0.6 * gathered and scattered_beside > 0.7 * scattered
     n, groups = 32, param_groups(config)
     layers = 2 * groups["layers"]  # bf16, reduce-scattered once
     assert plan["collectives_by_axis"]["reduce-scatter"]["fsdp"]["sent_bytes"] >= (n - 1) / n * layers

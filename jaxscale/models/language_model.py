@@ -21,7 +21,7 @@ from jaxscale.models.layers import AXES_KEY
 from jaxscale.models.moe import EXPERT_LOAD, LOAD, MAX_LOAD, STATS
 from jaxscale.models.precision import compute_dtype
 from jaxscale.models.spec import ModelSpec
-from jaxscale.models.strategy import Strategy
+from jaxscale.models.strategy import Strategy, overlap_for
 from jaxscale.models.transformer import Transformer, unflatten
 from jaxscale.names import UNROLL_UP_TO
 from jaxscale.parallel import collective_matmul, context, fsdp
@@ -194,7 +194,7 @@ def model_from_config(config, platform: str, layout: Layout | None = None) -> tu
         layout, schedule=config.pipeline.schedule, microbatches=config.pipeline.microbatches,
         virtual_stages=config.pipeline.virtual_stages, context=m.attention.context_parallel,
         schedule_file=config.pipeline.schedule_file,
-        overlap=config.sharding.overlap,
+        overlap=overlap_for(config.sharding.overlap, compiler),
         collective_matmul=collective_matmul.wanted(config.sharding.collective_matmul, compiler))
     one_cpu = _one_cpu_device(platform, layout)
     cpu_matmul = m.projections == "cpu" or (m.projections == "auto" and one_cpu)

@@ -6,13 +6,14 @@ XLA_FLAGS before JAX starts its GPU backend, and the train and eval steps compil
 compiler options, so a plan compiled for a GPU target on any host (`python -m jaxscale.plan
 --topology=h100-8`) compiles what a GPU run does. `--config.xla.gpu_defaults=False` sets none.
 
-TPUs: the steps compile with reduce-scatters offloaded to the SparseCores (v5p), which run beside
-the TensorCores, and on v5e with the TPU compiler's continuation fusions for all-gathers
-(CONTINUATION_FUSIONS; not for a mixture of experts), which split a collective into steps run
-inside the compute fusions scheduled beside it. libtpu supports those fusions on v5e only: from
-libtpu 0.0.52 a v5p, v6e or v4 program compiled with them fails ("not supported/recommended on
-platforms other than TPU v5e ... incorrect results, hang, SDC"). What each hides is read from the
-compiled schedule by jaxscale.analysis.overlap (benchmarks/results/pods.md).
+TPUs: the steps compile with reduce-scatters, and for a model without experts all-gathers,
+offloaded to the SparseCores (v5p, v6e), which run them beside the TensorCores, and on v5e with
+the TPU compiler's continuation fusions for all-gathers (CONTINUATION_FUSIONS; not for a mixture
+of experts), which split a collective into steps run inside the compute fusions scheduled beside
+it. libtpu supports those fusions on v5e only: from libtpu 0.0.52 a v5p, v6e or v4 program
+compiled with them fails ("not supported/recommended on platforms other than TPU v5e ...
+incorrect results, hang, SDC"). What each hides is read from the compiled schedule by
+jaxscale.analysis.overlap (benchmarks/results/pods.md).
 `--config.xla.tpu_defaults=False` sets none.
 
 A flag already in the user's XLA_FLAGS (GPU) or LIBTPU_INIT_ARGS (TPU) is left as the user set it.
@@ -56,13 +57,26 @@ CONTINUATION_FUSIONS: dict[str, bool] = {
     "xla_tpu_overlap_compute_collective_tc": True,
     "xla_enable_async_all_gather": True,
 }
-# Reduce-scatters offloaded to the chip's SparseCores, where it has them (v5p), which run them
-# beside the TensorCores' compute: Llama-3-8B on v5p-256 (fsdp=128) left 9.25 GiB of its 41.7 GiB
-# sent exposed instead of 16.4, and 2.38 GiB of temporaries a chip instead of 2.70; Mixtral 8x7B's
-# experts' gradients reduce-scattered instead of all-reduced (6.5 GiB a chip less sent). Other
-# generations accept it: a reduce-scatter compiled for v5e, v4 and v6e had no SparseCore call.
-SPARSECORE_OFFLOAD: dict[str, bool] = {"xla_tpu_enable_sparse_core_collective_offload_reduce_scatter": True}
-TPU_OPTIONS: dict[str, bool] = {**CONTINUATION_FUSIONS, **SPARSECORE_OFFLOAD}
+# Reduce-scatters offloaded to the chip's SparseCores, where it has them (v5p, v6e), which run
+# them beside the TensorCores' compute: Llama-3-8B on v5p-256 (fsdp=128) left 9.25 GiB of its 41.7
+# GiB sent exposed instead of 16.4, and 2.38 GiB of temporaries a chip instead of 2.70; Mixtral
+# 8x7B's experts' gradients reduce-scattered instead of all-reduced (6.5 GiB a chip less sent).
+SPARSECORE_REDUCE_SCATTER: dict[str, bool] = {"xla_tpu_enable_sparse_core_collective_offload_reduce_scatter": True}
+# All-gathers offloaded too, over one, two or three torus dimensions (a v5p pod's fsdp group spans
+# three; the 1-D offload alone left them blocking), for a model without experts. Llama-3-8B on
+# v5p-256 with libtpu 0.0.52, fsdp=128: 25.3 of its 27.8 GiB of weight gathers sent beside
+# matmuls instead of none, 4.74 GiB of the 41.7 sent exposed instead of 28.6, 2.39 GiB a chip
+# instead of 2.41; fsdp=32 x tensor=4: 2.97 GiB exposed instead of 10.0, 2.25 GiB a chip instead
+# of 2.40. With experts it was mixed: Mixtral 8x7B on v5p-256 exposed 50.9 GiB instead of 55.6
+# for 0.08 GiB a chip less, but Qwen3-30B-A3B on v5p-128 (expert=8 x fsdp=8) left its gathers
+# blocking and needed 1.45 GiB a chip more, and exposed 3.9 GiB more (benchmarks/results/pods.md).
+# Generations without SparseCores (v5e, v4 here) and libtpu 0.0.42.1 accept the flags.
+SPARSECORE_ALL_GATHER: dict[str, bool] = {
+    "xla_tpu_enable_sparse_core_collective_offload_all_gather": True,
+    "xla_tpu_enable_sparse_core_collective_offload_2d_all_gather": True,
+    "xla_tpu_enable_sparse_core_collective_offload_3d_all_gather": True,
+}
+DENSE_OPTIONS: dict[str, bool] = {**SPARSECORE_ALL_GATHER, **SPARSECORE_REDUCE_SCATTER}
 CONTINUATION_KINDS = ("TPU v5 lite",)  # device_kind of the TPUs libtpu runs continuation fusions on: v5e
 
 
@@ -70,12 +84,14 @@ def compiler_options(xla_cfg, platform: str, env=None, experts: bool = False,
                      device_kind: str = "") -> tuple[tuple[str, bool | int], ...]:
     """(name, value) pairs the steps compile with on `platform` (its devices' `device_kind`): the
     defaults above the user has not set in XLA_FLAGS (GPU) or LIBTPU_INIT_ARGS (TPU), unless the
-    config turns them off; continuation fusions only on a v5e, and not for a model with `experts`."""
+    config turns them off; for a model with `experts` only the reduce-scatter offload, and
+    continuation fusions only on a v5e."""
     env = os.environ if env is None else env
     if platform == "tpu" and xla_cfg.tpu_defaults:
         mine = _named(env.get("LIBTPU_INIT_ARGS", ""))
-        fused = device_kind in CONTINUATION_KINDS and not experts
-        options = TPU_OPTIONS if fused else SPARSECORE_OFFLOAD
+        options = SPARSECORE_REDUCE_SCATTER if experts else DENSE_OPTIONS
+        if device_kind in CONTINUATION_KINDS and not experts:
+            options = {**CONTINUATION_FUSIONS, **options}
         return tuple((name, value) for name, value in options.items() if name not in mine)
     if platform == "gpu" and xla_cfg.gpu_defaults:
         mine = _named(env.get("XLA_FLAGS", ""))
