@@ -18,6 +18,7 @@ from jaxscale.sharding import Layout
 
 PIPELINES = ("none", *PIPELINE_SCHEDULES)  # Strategy.pipeline's choices
 CONTEXT_ALGORITHMS = ("none", *CONTEXT_PARALLEL)
+EXPERT_DISPATCH = ("local", "all_to_all")
 
 
 def overlap_for(setting: str, compiler: str) -> str:
@@ -27,7 +28,6 @@ def overlap_for(setting: str, compiler: str) -> str:
     (Llama-3-8B on v5p-256 at fsdp=128: 8.7% of the bytes sent exposed against 11.4%, for 0.04
     GiB a chip; benchmarks/results/pods.md); off elsewhere, where that is unmeasured."""
     return ("head" if compiler == "tpu" else "off") if setting == "auto" else setting
-EXPERT_DISPATCH = ("local", "all_to_all")
 
 
 @dataclasses.dataclass(frozen=True)
