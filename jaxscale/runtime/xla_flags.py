@@ -89,9 +89,12 @@ def compiler_options(xla_cfg, platform: str, env=None, experts: bool = False,
     env = os.environ if env is None else env
     if platform == "tpu" and xla_cfg.tpu_defaults:
         mine = _named(env.get("LIBTPU_INIT_ARGS", ""))
-        options = SPARSECORE_REDUCE_SCATTER if experts else DENSE_OPTIONS
-        if device_kind in CONTINUATION_KINDS and not experts:
-            options = {**CONTINUATION_FUSIONS, **options}
+        if experts:
+            options = SPARSECORE_REDUCE_SCATTER
+        elif device_kind in CONTINUATION_KINDS:
+            options = {**CONTINUATION_FUSIONS, **DENSE_OPTIONS}
+        else:
+            options = DENSE_OPTIONS
         return tuple((name, value) for name, value in options.items() if name not in mine)
     if platform == "gpu" and xla_cfg.gpu_defaults:
         mine = _named(env.get("XLA_FLAGS", ""))
