@@ -20,48 +20,45 @@ TALK = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
         {"role": "assistant", "content": "6, of course"}]
 
 
-def _trained(record, train_on, template=chat.CHATML):
+def _trained(folder, record, train_on, template=chat.CHATML):
     """(the text of the trained tokens, of all tokens) of one record as the source encodes it."""
-    path = _write([record])
+    path = _write(folder, [record])
     tokens, mask = chat.encode(path, chat.Template(template, {}, "t"), ByteTokenizer(), train_on)
     assert tokens.shape == mask.shape and tokens[-1] == ByteTokenizer.eos_id  # each record ends with EOS
     text = bytes(tokens[:-1].astype(np.uint8)).decode()
     return bytes(tokens[mask == 1].astype(np.uint8)).decode(), text, int(mask[-1])
 
 
-def _write(records, name="chat.jsonl"):
-    import tempfile
-    from pathlib import Path
-
-    path = Path(tempfile.mkdtemp(prefix="jaxscale-chat-")) / name
+def _write(folder, records, name="chat.jsonl"):
+    path = folder / name
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
 
-def test_assistant_turns_are_trained_with_their_end_of_turn_and_nothing_else():
-    trained, text, eos = _trained({"messages": TALK}, "assistant")
+def test_assistant_turns_are_trained_with_their_end_of_turn_and_nothing_else(tmp_path):
+    trained, text, eos = _trained(tmp_path, {"messages": TALK}, "assistant")
     assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n"
                     "<|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\nand 3+3?<|im_end|>\n"
                     "<|im_start|>assistant\n6, of course<|im_end|>\n")
     assert trained == "4<|im_end|>\n" + "6, of course<|im_end|>\n" and eos == 0
-    assert _trained({"messages": TALK}, "completion")[0] == "6, of course<|im_end|>\n"
-    trained, text, eos = _trained({"messages": TALK}, "all")
+    assert _trained(tmp_path, {"messages": TALK}, "completion")[0] == "6, of course<|im_end|>\n"
+    trained, text, eos = _trained(tmp_path, {"messages": TALK}, "all")
     assert trained == text + "\0" and eos == 1
 
 
-def test_a_prompt_and_completion_are_joined_and_the_completion_and_its_eos_trained():
-    trained, text, eos = _trained({"prompt": "Q: 2+2? A:", "completion": " 4"}, "assistant")
+def test_a_prompt_and_completion_are_joined_and_the_completion_and_its_eos_trained(tmp_path):
+    trained, text, eos = _trained(tmp_path, {"prompt": "Q: 2+2? A:", "completion": " 4"}, "assistant")
     assert text == "Q: 2+2? A: 4" and trained == " 4\0" and eos == 1
     # Message lists: rendered as one conversation, the completion's turns trained.
     record = {"prompt": TALK[:4], "completion": TALK[4:]}
-    assert _trained(record, "assistant")[0] == "6, of course<|im_end|>\n"
+    assert _trained(tmp_path, record, "assistant")[0] == "6, of course<|im_end|>\n"
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_field():
+def test_a_template_that_rewrites_earlier_turns_is_refused_naming_the_field(tmp_path):
     # Numbers each turn from the end: adding a turn changes the text before it.
     template = "{% for m in messages %}[{{ messages|length - loop.index }}]{{ m['content'] }}{% endfor %}"
     with pytest.raises(ConfigError, match="data.chat_template.*not a prefix"):
-        _trained({"messages": TALK}, "assistant", template)
+        _trained(tmp_path, {"messages": TALK}, "assistant", template)
 
 
 def test_transformers_template_tags_render():
@@ -94,7 +91,7 @@ def _config(path, **data):
 def test_batches_carry_the_mask_of_their_targets(tmp_path):
     records = [{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i} " * 5}]}
                for i in range(60)]
-    path = _write(records)
+    path = _write(tmp_path, records)
     tokens, mask = chat.encode(path, chat.Template(chat.CHATML, {}, "t"), ByteTokenizer(), "assistant")
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices())
     data = make_data(_config(path, chat_template="chatml"), NamedSharding(mesh, P("data", None)))
@@ -111,8 +108,9 @@ def test_batches_carry_the_mask_of_their_targets(tmp_path):
 
 
 def test_a_mixture_of_chat_and_text_trains_every_text_token(tmp_path):
-    chats = _write([{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i}"}]}
-                    for i in range(100)])
+    talks = [{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i}"}]}
+             for i in range(100)]
+    chats = _write(tmp_path, talks)
     (tmp_path / "plain.txt").write_text("plain text " * 300)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices())
     config = _config("", chat_template="chatml", mixture=f"chat={chats}:0.5,text={tmp_path / 'plain.txt'}:0.5")
@@ -124,7 +122,7 @@ def test_a_mixture_of_chat_and_text_trains_every_text_token(tmp_path):
 
 
 def test_chat_records_beside_text_in_one_source_are_refused(tmp_path):
-    path = _write([{"messages": TALK}])
+    path = _write(tmp_path, [{"messages": TALK}])
     (path.parent / "plain.txt").write_text("text " * 100)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,), devices=jax.devices())
     with pytest.raises(ConfigError, match="data.path.*not chat records"):
@@ -135,7 +133,7 @@ def test_a_chat_run_trains_on_the_answers_only(tmp_path):
     """The CLI on chat records: each logged step says how many of its targets it trained."""
     records = [{"messages": [{"role": "user", "content": f"echo {i % 10}"},
                              {"role": "assistant", "content": f"{i % 10}{i % 10}{i % 10}"}]} for i in range(400)]
-    path = _write(records)
+    path = _write(tmp_path, records)
     out = main_cli(["--config=configs/tiny.py", f"--config.data.path={path}", "--config.data.chat_template=chatml",
                     "--config.train.steps=3", "--config.train.seq_len=64", "--config.train.global_batch_size=8",
                     f"--workdir={tmp_path / 'run'}"])
@@ -153,7 +151,7 @@ def test_a_token_store_of_chat_records_carries_their_mask(tmp_path):
 
     records = [{"messages": [{"role": "user", "content": f"say {i}"}, {"role": "assistant", "content": f"{i} " * 3}]}
                for i in range(120)]
-    path = _write(records)
+    path = _write(tmp_path, records)
     flags = {"input": str(path), "out": str(tmp_path / "store"), "workers": 1, "progress": False,
              "chat_template": "chatml"}
     manifest = prepare(flags, say=lambda _: None)
