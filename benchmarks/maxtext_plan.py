@@ -105,11 +105,12 @@ def _smoke() -> dict:
 
     config = _common.tiny_config(["mesh.data=2", "mesh.fsdp=4", "model.num_layers=1"])
     run, compiled, seconds = compile_plan(config, "cpu")
-    folder = Path(tempfile.mkdtemp(prefix="maxtext-smoke-"))
-    write_step(folder, compiled, dict(run.layout.mesh.shape), seconds, ["smoke"])
     plan = describe(config, run, compiled, seconds).to_json()
-    return {"args": ["smoke"], **read(folder), "plan": {k: plan[k] for k in ("collectives", "collectives_by_axis",
-                                                                              "compiled_bytes", "overlap")}}
+    with tempfile.TemporaryDirectory(prefix="maxtext-smoke-") as folder:
+        write_step(Path(folder), compiled, dict(run.layout.mesh.shape), seconds, ["smoke"])
+        written = read(Path(folder))
+    return {"args": ["smoke"], **written, "plan": {k: plan[k] for k in ("collectives", "collectives_by_axis",
+                                                                        "compiled_bytes", "overlap")}}
 
 
 def _table(out: dict) -> str:
